@@ -1,0 +1,45 @@
+"""Packaging for minivllm, read from settings.ini (nbdev-template style, without pkg_resources)."""
+import shlex
+from configparser import ConfigParser
+
+import setuptools
+
+cfg = ConfigParser(delimiters=['='])
+cfg.read('settings.ini', encoding='utf-8')
+cfg = cfg['DEFAULT']
+
+licenses = {'apache2': 'Apache-2.0'}
+statuses = ['1 - Planning', '2 - Pre-Alpha', '3 - Alpha', '4 - Beta', '5 - Production/Stable', '6 - Mature', '7 - Inactive']
+min_python = cfg['min_python']
+py_versions = ['3.10', '3.11', '3.12', '3.13']
+
+
+def reqs(key):
+    "The space-separated requirement list under `key` in settings.ini."
+    return shlex.split(cfg.get(key, ''))
+
+
+setuptools.setup(
+    name=cfg['lib_name'],
+    version=cfg['version'],
+    description=cfg['description'],
+    license=licenses[cfg['license']],
+    classifiers=[
+        'Development Status :: ' + statuses[int(cfg['status'])],
+        'Intended Audience :: ' + cfg['audience'].title(),
+        'Natural Language :: ' + cfg['language'].title(),
+    ] + ['Programming Language :: Python :: ' + v for v in py_versions[py_versions.index(min_python):]],
+    url=cfg['git_url'],
+    author=cfg['author'],
+    author_email=cfg['author_email'],
+    keywords=cfg['keywords'],
+    packages=setuptools.find_packages(include=['minivllm', 'minivllm.*']),
+    include_package_data=True,
+    install_requires=reqs('requirements'),
+    extras_require={'dev': reqs('dev_requirements'), 'gpu': reqs('gpu_requirements')},
+    python_requires='>=' + min_python,
+    long_description=open('README.md', encoding='utf-8').read(),
+    long_description_content_type='text/markdown',
+    zip_safe=False,
+    entry_points={'nbdev': [f"{cfg['lib_path']}={cfg['lib_path']}._modidx:d"]},
+)
