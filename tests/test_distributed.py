@@ -129,3 +129,19 @@ def test_init_without_torchrun_variables(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(ValueError, match="needs the environment variables"):
         init_distributed()
+
+
+def test_port_taken_before_rank0_binds_it(monkeypatch):
+    "If another process grabs the chosen port first, the launcher retries on a fresh one."
+    import socket
+    import minivllm.distributed as d
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0)); busy.listen()
+    ports = iter([busy.getsockname()[1]])
+    real_free_port = d.free_port
+    monkeypatch.setattr(d, "free_port", lambda host="127.0.0.1": next(ports, None) or real_free_port(host))
+    try:
+        out = run_on_ranks(collectives, 2)
+    finally:
+        busy.close()
+    torch.testing.assert_close(out["reduced"], torch.full((2, 3), 3.0))
