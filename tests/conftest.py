@@ -1,8 +1,15 @@
 """Shared pytest setup: the repository paths and a guard that no rank process outlives a test."""
+import os
 from pathlib import Path
 
 import pytest
+import torch
 import torch.multiprocessing as mp
+
+# subtle: Triton reads this when a kernel is defined (at the first import of minivllm.kv_cache), so it must be set
+# before any test module imports minivllm; on CPU the kernels then run in Triton's interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 NBS = ROOT / "nbs"

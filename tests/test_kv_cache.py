@@ -1,0 +1,417 @@
+"""The paged KV cache against plain torch: layout, slot mapping, the store (Triton kernel == torch fallback),
+attention metadata, and paged attention (variable-length prefill, cached prefix, decode) == dense causal attention."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+# subtle: on CPU the Triton kernel runs only in Triton's interpreter, which must be switched on before
+# minivllm.kv_cache defines the kernel, i.e. before the module is first imported in this process.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F
+
+import minivllm.kv_cache as kv
+from minivllm.kv_cache import (Attention, AttentionMetadata, HAS_TRITON, allocate_kv_cache, attention_backend,
+                               causal_mask, decode_metadata, gather_kv, kv_cache_bytes_per_block, prefill_metadata,
+                               slot_mapping, store_kvcache, store_kvcache_torch, store_kvcache_triton)
+
+DTYPES = (torch.float32, torch.bfloat16)
+# float32: the default of assert_close; bfloat16: about one bf16 ulp (2**-8 relative) of the output.
+TOL = {torch.float32: dict(rtol=1.3e-6, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+EXACT = dict(rtol=0, atol=0)
+CPU_BACKENDS = ("torch", "sdpa")
+HEADS = [(4, 2), (2, 2)]  # (query heads, KV heads): grouped-query and multi-head
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+def dense_causal_attention(q, k, v, scale):
+    "Causal attention of one whole sequence `[L, H, D]` (k/v `[L, KVH, D]`) by torch's SDPA, KV heads repeated."
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         is_causal=True, scale=scale)
+    return out.transpose(0, 1)
+
+
+def random_sequences(lengths, num_heads, num_kv_heads, head_dim, dtype, device="cpu", seed=0):
+    "Per sequence, random q `[L, H, D]`, k and v `[L, KVH, D]`."
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(n, h, head_dim, generator=g).to(device, dtype)
+                  for h in (num_heads, num_kv_heads, num_kv_heads)) for n in lengths]
+
+
+def cat_rows(seqs, which, start=None, end=None):
+    "Rows `[start[i], end[i])` of tensor `which` (0: q, 1: k, 2: v) of every sequence `i`, concatenated."
+    start, end = start or [0] * len(seqs), end or [len(s[0]) for s in seqs]
+    return torch.cat([s[which][a:b] for s, a, b in zip(seqs, start, end)])
+
+
+def scattered_block_tables(lengths, block_size, num_blocks, seed=0):
+    "Block tables handed out round-robin from a shuffled pool: non-contiguous and out of order."
+    pool = iter(torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist())
+    need = [math.ceil(n / block_size) for n in lengths]
+    tables = [[] for _ in lengths]
+    for round_ in range(max(need)):
+        for table, n in zip(tables, need):
+            if round_ < n: table.append(next(pool))
+    return tables
+
+
+class PagedCase:
+    "Random sequences in scattered blocks of a fresh one-layer cache, with their dense causal attention."
+    def __init__(self, lengths, block_size, num_heads, num_kv_heads, dtype, device="cpu", head_dim=8, seed=0):
+        self.lengths, self.block_size, self.dtype, self.device = lengths, block_size, dtype, device
+        self.seqs = random_sequences(lengths, num_heads, num_kv_heads, head_dim, dtype, device, seed)
+        num_blocks = sum(math.ceil(n / block_size) for n in lengths) + 2
+        self.tables = scattered_block_tables(lengths, block_size, num_blocks, seed)
+        kv_cache = allocate_kv_cache(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+        self.k_cache, self.v_cache = kv_cache[0, 0], kv_cache[1, 0]
+        self.scale = head_dim ** -0.5
+        self.expected = [dense_causal_attention(q.float(), k.float(), v.float(), self.scale).flatten(1)
+                         for q, k, v in self.seqs]
+        self.attn_args = (num_heads, head_dim, self.scale, num_kv_heads)
+
+    def store_prefix(self, cached):
+        "Put the first `cached[i]` tokens' keys and values of each sequence straight into their slots."
+        slots = sum((slot_mapping(t, 0, c, self.block_size) for t, c in zip(self.tables, cached)), [])
+        store_kvcache(cat_rows(self.seqs, 1, end=cached), cat_rows(self.seqs, 2, end=cached), self.k_cache,
+                      self.v_cache, torch.tensor(slots, dtype=torch.int64, device=self.device))
+
+    def run(self, attn, start, end, metadata):
+        "`attn` on rows `[start, end)` of every sequence, with this case's caches."
+        return attn(*(cat_rows(self.seqs, w, start, end) for w in range(3)), self.k_cache, self.v_cache, metadata)
+
+
+def check_prefill_then_decode(case, cached, backend=None):
+    "Cached prefix, prefill of the rest of each prompt but its last token, decode of that token: all == dense."
+    assert all(0 <= c < n - 1 for c, n in zip(cached, case.lengths)), "each prompt needs a token to prefill and one to decode"
+    attn = Attention(*case.attn_args, backend=backend)
+    last = [n - 1 for n in case.lengths]
+    case.store_prefix(cached)
+    md = prefill_metadata(case.tables, cached, [l - c for l, c in zip(last, cached)], case.block_size, case.device)
+    out = case.run(attn, cached, last, md)
+    assert out.dtype == case.dtype and out.shape == (sum(last) - sum(cached), case.expected[0].shape[1])
+    torch.testing.assert_close(out.float(), torch.cat([e[c:l] for e, c, l in zip(case.expected, cached, last)]),
+                               **TOL[case.dtype])
+    md = decode_metadata(case.tables, case.lengths, case.block_size, case.device)
+    out = case.run(attn, last, None, md)
+    torch.testing.assert_close(out.float(), torch.stack([e[-1] for e in case.expected]), **TOL[case.dtype])
+
+
+def tiny_store_inputs(dtype, T=5, heads=2, head_dim=8, num_blocks=3, block_size=4, slots=(9, 2, -1, 3, 4), seed=0):
+    "Random keys and values `[T, heads, head_dim]`, zeroed caches, and a slot mapping (with a -1)."
+    g = torch.Generator().manual_seed(seed)
+    key, value = (torch.randn(T, heads, head_dim, generator=g).to(dtype) for _ in range(2))
+    k_cache, v_cache = (torch.zeros(num_blocks, block_size, heads, head_dim, dtype=dtype) for _ in range(2))
+    return key, value, k_cache, v_cache, torch.tensor(slots, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------- layout, slots
+
+def test_allocate_kv_cache_layout_and_bytes():
+    "One zeroed tensor [2, layers, blocks, block_size, kv_heads, head_dim]; bytes per block match it."
+    cache = allocate_kv_cache(3, 5, 4, 2, 8, torch.bfloat16, "cpu")
+    assert cache.shape == (2, 3, 5, 4, 2, 8) and cache.dtype == torch.bfloat16 and not cache.any()
+    assert cache[1, 2].is_contiguous()
+    assert cache.numel() * cache.element_size() == 5 * kv_cache_bytes_per_block(3, 4, 2, 8, torch.bfloat16)
+    assert kv_cache_bytes_per_block(28, 256, 8, 128, torch.bfloat16) == 28 * 2**20  # Qwen3-0.6B, TP=1
+    assert kv_cache_bytes_per_block(28, 256, 4, 128, torch.float32) == 28 * 2**20  # half the heads, twice the bytes
+
+
+def test_slot_mapping_hand_worked():
+    "Two sequences of 6 and 3 tokens, block tables [5, 1] and [3], blocks of 4."
+    assert slot_mapping([5, 1], 0, 6, 4) == [20, 21, 22, 23, 4, 5]
+    assert slot_mapping([3], 0, 3, 4) == [12, 13, 14]
+    assert slot_mapping([5, 1], 4, 6, 4) == [4, 5]
+    assert slot_mapping([5, 1], 7, 8, 4) == [7]
+    assert slot_mapping([0, 2], 16, 16, 16) == []
+    assert slot_mapping([7, 2], 15, 17, 16) == [127, 32]  # across a block boundary
+
+
+@pytest.mark.parametrize("start, end", [(0, 9), (-1, 2), (3, 2)])
+def test_slot_mapping_rejects_positions_outside_the_table(start, end):
+    with pytest.raises(ValueError, match="do not fit in a block table of 2 blocks"):
+        slot_mapping([5, 1], start, end, 4)
+
+
+# ---------------------------------------------------------------------------------------------- the store
+
+def test_store_torch_writes_slots_and_skips_minus_one():
+    "Each token's key and value land in its slot's row; the -1 token lands nowhere; other rows stay zero."
+    key, value, k_cache, v_cache, slots = tiny_store_inputs(torch.float32)
+    store_kvcache_torch(key, value, k_cache, v_cache, slots)
+    flat_k, flat_v = k_cache.view(12, 2, 8), v_cache.view(12, 2, 8)
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            torch.testing.assert_close(flat_k[slot], key[token], **EXACT)
+            torch.testing.assert_close(flat_v[slot], value[token], **EXACT)
+    untouched = [s for s in range(12) if s not in slots.tolist()]
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+def test_store_rejects_bad_arguments():
+    key, value, k_cache, v_cache, slots = tiny_store_inputs(torch.float32)
+    with pytest.raises(ValueError, match="slot_mapping must be int64"):
+        store_kvcache(key, value, k_cache, v_cache, slots.int())
+    with pytest.raises(ValueError, match="slot_mapping must be int64 of shape"):
+        store_kvcache(key, value, k_cache, v_cache, slots[:4])
+    with pytest.raises(ValueError, match="do not fit keys"):
+        store_kvcache(key[:, :1], value[:, :1], k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="key and value must both be"):
+        store_kvcache(key, value[:4], k_cache, v_cache, slots)
+
+
+def test_store_dispatcher_uses_the_fallback_on_cpu(monkeypatch):
+    "On CPU tensors the dispatcher never calls the Triton kernel (the interpreter is for checking only)."
+    def no_triton(*args): raise AssertionError("store_kvcache_triton was called on CPU tensors")
+    monkeypatch.setattr(kv, "store_kvcache_triton", no_triton)
+    key, value, k_cache, v_cache, slots = tiny_store_inputs(torch.float32)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kvcache(key, value, k_cache, v_cache, slots)
+    store_kvcache_torch(key, value, k_ref, v_ref, slots)
+    torch.testing.assert_close((k_cache, v_cache), (k_ref, v_ref), **EXACT)
+
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
+
+
+def _check_kernel_runs_here():
+    "Fail with the fix if the kernel was defined before TRITON_INTERPRET=1 was set (it then needs a GPU)."
+    if not torch.cuda.is_available() and type(kv._store_kvcache_kernel).__name__ != "InterpretedFunction":
+        pytest.fail("minivllm.kv_cache was imported before TRITON_INTERPRET=1 was set, so its Triton kernel needs a "
+                    "GPU: set the variable in tests/conftest.py (before any test imports minivllm)")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, head_dim, slots", [
+    (2, 8, (9, 2, -1, 3, 4)),  # D = 16, a power of two
+    (3, 4, (-1, 0, 11, -1, 5)),  # D = 12: the kernel's block of 16 is masked
+    (1, 2, (-1, -1, -1, -1, -1)),  # all padding: nothing is written
+])
+def test_store_triton_matches_torch(dtype, heads, head_dim, slots):
+    "The Triton kernel (in the interpreter on CPU) writes exactly what the torch fallback writes, -1 slots included."
+    _check_kernel_runs_here()
+    key, value, k_ref, v_ref, slot_t = tiny_store_inputs(dtype, heads=heads, head_dim=head_dim, slots=slots)
+    k_tri, v_tri = k_ref.clone(), v_ref.clone()
+    store_kvcache_torch(key, value, k_ref, v_ref, slot_t)
+    store_kvcache_triton(key, value, k_tri, v_tri, slot_t)
+    torch.testing.assert_close((k_tri, v_tri), (k_ref, v_ref), **EXACT)
+    assert int((k_tri != 0).any(-1).any(-1).sum()) == sum(s >= 0 for s in slots)
+
+
+@needs_triton
+def test_store_triton_follows_the_row_stride_of_a_qkv_view():
+    "Keys and values that are views into one [T, 3, heads, head_dim] qkv tensor."
+    _check_kernel_runs_here()
+    qkv = torch.randn(4, 3, 2, 8, generator=torch.Generator().manual_seed(1))
+    key, value = qkv[:, 1], qkv[:, 2]
+    slots = torch.tensor([6, -1, 0, 3])
+    (k_ref, v_ref), (k_tri, v_tri) = torch.zeros(2, 2, 4, 2, 8).unbind(0), torch.zeros(2, 2, 4, 2, 8).unbind(0)
+    store_kvcache_torch(key, value, k_ref, v_ref, slots)
+    store_kvcache_triton(key, value, k_tri, v_tri, slots)
+    torch.testing.assert_close((k_tri, v_tri), (k_ref, v_ref), **EXACT)
+
+
+# ---------------------------------------------------------------------------------------------- metadata
+
+def test_prefill_metadata_hand_worked():
+    md = prefill_metadata([[5, 1], [3]], [0, 0], [6, 3], block_size=4)
+    assert md.is_prefill and md.block_tables is None and md.context_lens is None
+    assert md.cu_seqlens_q.tolist() == md.cu_seqlens_k.tolist() == [0, 6, 9]
+    assert md.cu_seqlens_q.dtype == md.cu_seqlens_k.dtype == torch.int32
+    assert (md.max_seqlen_q, md.max_seqlen_k) == (6, 6)
+    assert md.slot_mapping.tolist() == [20, 21, 22, 23, 4, 5, 12, 13, 14] and md.slot_mapping.dtype == torch.int64
+
+
+def test_prefill_metadata_with_cached_prefix_hand_worked():
+    "The first sequence's first block is cached: 2 new tokens attend to 6 keys; block tables padded with -1."
+    md = prefill_metadata([[5, 1], [3]], [4, 0], [2, 3], block_size=4)
+    assert md.cu_seqlens_q.tolist() == [0, 2, 5] and md.cu_seqlens_k.tolist() == [0, 6, 9]
+    assert (md.max_seqlen_q, md.max_seqlen_k) == (3, 6)
+    assert md.slot_mapping.tolist() == [4, 5, 12, 13, 14]
+    assert md.block_tables.tolist() == [[5, 1], [3, -1]] and md.block_tables.dtype == torch.int32
+
+
+def test_decode_metadata_hand_worked():
+    "The sequences have grown to 7 and 4 tokens: the new ones go to slots 6 and 15."
+    md = decode_metadata([[5, 1], [3]], [7, 4], block_size=4)
+    assert not md.is_prefill and md.cu_seqlens_q is None
+    assert md.slot_mapping.tolist() == [6, 15] and md.slot_mapping.dtype == torch.int64
+    assert md.context_lens.tolist() == [7, 4] and md.context_lens.dtype == torch.int32
+    assert md.block_tables.tolist() == [[5, 1], [3, -1]] and md.block_tables.dtype == torch.int32
+
+
+def test_warmup_prefill_metadata_stores_nothing():
+    "Sequences without blocks (the engine's warm-up) get slot -1 for every token."
+    md = prefill_metadata([[], []], [0, 0], [3, 2], block_size=4)
+    assert md.slot_mapping.tolist() == [-1] * 5 and md.block_tables is None
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: prefill_metadata([[1]], [0, 0], [1, 1], 4), "one block table, cached count and new count"),
+    (lambda: prefill_metadata([[1]], [0], [0], 4), "at least one new token"),
+    (lambda: prefill_metadata([[]], [4], [2], 4), "needs the block table"),
+    (lambda: prefill_metadata([[1]], [2], [3], 4), "do not fit in a block table"),
+    (lambda: decode_metadata([[1]], [0], 4), "at least 1"),
+    (lambda: decode_metadata([[1], [2]], [3], 4), "one block table and one context length"),
+    (lambda: decode_metadata([[5, 1]], [9], 4), "do not fit in a block table"),
+])
+def test_metadata_rejects_inconsistent_inputs(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+# ---------------------------------------------------------------------------------------------- attention
+
+def test_causal_mask_is_aligned_to_the_end():
+    assert torch.equal(causal_mask(4, 4), torch.ones(4, 4, dtype=torch.bool).tril())
+    assert causal_mask(2, 5).int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert causal_mask(1, 3).all()
+
+
+def test_gather_kv_reads_sequences_back_in_order():
+    "Stored with the slot mapping, read back by block table: the same rows, in position order."
+    k_cache = torch.zeros(8, 4, 2, 8)
+    keys = torch.randn(9, 2, 8)
+    md = prefill_metadata([[5, 1], [3]], [0, 0], [6, 3], block_size=4)
+    store_kvcache_torch(keys, keys, k_cache, k_cache.clone(), md.slot_mapping)
+    back = gather_kv(k_cache, torch.tensor([[5, 1], [3, -1]], dtype=torch.int32))
+    assert back.shape == (2, 8, 2, 8)
+    torch.testing.assert_close(back[0, :6], keys[:6], **EXACT)
+    torch.testing.assert_close(back[1, :3], keys[6:], **EXACT)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_prefill_and_decode_match_dense(dtype, heads, block_size, backend):
+    "No prefix: each sequence attends causally to its own tokens only, in prefill and then in decode."
+    case = PagedCase([6, 3, 5, 18, 17], block_size, *heads, dtype, seed=block_size)
+    check_prefill_then_decode(case, [0] * 5, backend)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("block_size, lengths, cached", [(4, [12, 7, 20, 9], [8, 4, 0, 5]),
+                                                         (16, [20, 7, 12, 40], [16, 0, 3, 32])])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_with_cached_prefix_matches_dense(dtype, block_size, lengths, cached, backend):
+    "Sequences with whole-block, partial-block and no cached prefixes in one prefill batch, then decode."
+    case = PagedCase(lengths, block_size, 4, 2, dtype, seed=1)
+    check_prefill_then_decode(case, cached, backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_with_cached_prefix_equals_prefill_of_the_whole_prompt(dtype):
+    "The new tokens' outputs are those of prefilling the whole prompt at once without any cache."
+    lengths, cached = [12, 7, 4], [8, 4, 0]
+    case = PagedCase(lengths, 4, 4, 2, dtype, seed=2)
+    attn = Attention(*case.attn_args)
+    # an earlier request fills the prefix blocks through the layer itself (the third sequence has no prefix)
+    attn(*(cat_rows(case.seqs[:2], w, end=cached[:2]) for w in range(3)), case.k_cache, case.v_cache,
+         prefill_metadata(case.tables[:2], [0, 0], cached[:2], 4))
+    md = prefill_metadata(case.tables, cached, [n - c for n, c in zip(lengths, cached)], 4)
+    with_prefix = case.run(attn, cached, None, md)
+    whole = [attn(q, k, v, None, None, prefill_metadata([[]], [0], [len(q)], 4)) for q, k, v in case.seqs]
+    torch.testing.assert_close(with_prefix, torch.cat([w[c:] for w, c in zip(whole, cached)]), **TOL[dtype])
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_matches_dense(dtype, heads, block_size, backend):
+    "One new token per sequence over scattered blocks; lengths 1, a full block, one past it, and longer."
+    lengths = [1, block_size, block_size + 1, 2 * block_size + 3, 5]
+    case = PagedCase(lengths, block_size, *heads, dtype, seed=3)
+    last = [n - 1 for n in lengths]
+    case.store_prefix(last)
+    attn = Attention(*case.attn_args, backend=backend)
+    out = case.run(attn, last, None, decode_metadata(case.tables, lengths, block_size))
+    torch.testing.assert_close(out.float(), torch.stack([e[-1] for e in case.expected]), **TOL[dtype])
+    longest = case.tables[3]
+    assert longest != list(range(longest[0], longest[0] + len(longest)))  # its blocks are scattered
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_decode_padding_rows_store_nothing_and_leave_real_rows_alone(backend):
+    "A CUDA-graph-style padded decode batch: slot -1, context length 0, block table of -1."
+    lengths = [5, 9]
+    case = PagedCase(lengths, 4, 4, 2, torch.float32, seed=4)
+    case.store_prefix([4, 8])
+    attn = Attention(*case.attn_args, backend=backend)
+    q, k, v = (cat_rows(case.seqs, w, [4, 8]) for w in range(3))
+    expected = attn(q, k, v, case.k_cache.clone(), case.v_cache.clone(), decode_metadata(case.tables, lengths, 4))
+    md = decode_metadata(case.tables, lengths, 4)
+    padded = AttentionMetadata(is_prefill=False, slot_mapping=torch.cat([md.slot_mapping, torch.tensor([-1])]),
+                               context_lens=torch.cat([md.context_lens, torch.zeros(1, dtype=torch.int32)]),
+                               block_tables=torch.cat([md.block_tables, torch.full((1, md.block_tables.shape[1]), -1, dtype=torch.int32)]))
+    pad = lambda x: torch.cat([x, torch.randn(1, *x.shape[1:])])
+    before = case.k_cache.clone()
+    out = attn(pad(q), pad(k), pad(v), case.k_cache, case.v_cache, padded)
+    torch.testing.assert_close(out[:2], expected, **EXACT)
+    changed = (case.k_cache != before).any(-1).any(-1).flatten().nonzero().flatten().tolist()
+    assert changed == sorted(md.slot_mapping.tolist())  # only the real tokens' slots were written
+
+
+@pytest.mark.parametrize("empty_cache", [None, torch.tensor([])])
+def test_attention_without_a_cache(empty_cache):
+    "The engine's warm-up runs the model with no cache: plain causal prefill over the new tokens."
+    case = PagedCase([6, 3], 4, 4, 2, torch.float32, seed=5)
+    attn = Attention(*case.attn_args)
+    md = prefill_metadata([[], []], [0, 0], [6, 3], 4)
+    out = attn(*(cat_rows(case.seqs, w) for w in range(3)), empty_cache, empty_cache, md)
+    torch.testing.assert_close(out, torch.cat(case.expected), **TOL[torch.float32])
+
+
+def test_attention_rejects_what_it_cannot_do():
+    with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
+        Attention(6, 8, 0.3, 4)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        Attention(4, 8, 0.3, 2, backend="xformers")
+    if not kv.HAS_FLASH_ATTN:
+        with pytest.raises(ValueError, match="needs flash-attn"):
+            Attention(4, 8, 0.3, 2, backend="flash")
+    q, k = torch.randn(2, 4, 8), torch.randn(2, 2, 8)
+    with pytest.raises(ValueError, match="no cache was given"):
+        Attention(4, 8, 0.3, 2)(q, k, k, None, None, decode_metadata([[0], [1]], [1, 1], 4))
+    with pytest.raises(ValueError, match=r"expected q \[T, 4, 8\] and k/v \[T, 4, 8\]"):
+        Attention(4, 8, 0.3, 4)(q, k, k, None, None, prefill_metadata([[]], [0], [2], 4))
+
+
+def test_backend_on_cpu_is_sdpa():
+    md = decode_metadata([[0]], [1], 4)
+    assert attention_backend(torch.randn(1, 4, 8), torch.zeros(2, 4, 2, 8), md) == "sdpa"
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_triton_on_cuda_matches_torch(dtype):
+    key, value, k_ref, v_ref, slots = (t.cuda() for t in tiny_store_inputs(dtype, T=5))
+    k_tri, v_tri = k_ref.clone(), v_ref.clone()
+    store_kvcache_torch(key, value, k_ref, v_ref, slots)
+    store_kvcache(key, value, k_tri, v_tri, slots)
+    torch.testing.assert_close((k_tri, v_tri), (k_ref, v_ref), **EXACT)
+
+
+@needs_cuda
+@pytest.mark.parametrize("block_size, cached", [(256, [256, 0, 0]), (16, [32, 16, 0])])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", [None, "sdpa"])
+def test_gpu_backends_match_dense(dtype, block_size, cached, backend):
+    "The automatic backend (flash-attn where installed and possible, else SDPA) and SDPA, on CUDA."
+    case = PagedCase([300, 40, 7], block_size, 4, 2, dtype, device="cuda", head_dim=64, seed=6)
+    check_prefill_then_decode(case, cached, backend)

@@ -1,0 +1,147 @@
+"""Qwen3, Qwen2 and Llama on the parallel layers against transformers on the same checkpoints, at TP = 1, 2, 4."""
+import json
+import shutil
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import transformers
+
+from minivllm.distributed import run_on_ranks
+from minivllm.kv_cache import allocate_kv_cache, prefill_metadata
+from minivllm.models import greedy_generate, load_model, make_tiny_checkpoint
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks get these functions by value
+transformers.logging.set_verbosity_error()
+
+# name -> (model_type, tied, heads, kv heads, extra config). Heads divide by 1, 2 and 4; "qwen3" and "llama-tied"
+# have 2 KV heads, so at TP=4 each KV head is replicated on two ranks.
+MODELS = {
+    "qwen3": ("qwen3", False, 4, 2, {}),
+    "qwen3-tied": ("qwen3", True, 8, 4, {"head_dim": 16}),
+    "qwen2": ("qwen2", False, 4, 4, {}),
+    "qwen2-tied": ("qwen2", True, 8, 2, {}),
+    "llama": ("llama", False, 8, 4, {"attention_bias": True, "mlp_bias": True}),
+    "llama-tied": ("llama", True, 4, 2, {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+}
+PROMPTS = [[1, 5, 9, 13, 2], [7, 7, 3, 200, 31, 4, 8, 99, 250, 11, 12, 13, 14, 15, 16, 17, 18], [42, 17], [3] * 40]
+# subtle: "argmax agrees on 99% of positions" needs a few hundred positions to mean anything (at 64, one flip fails it)
+PREFILL_PROMPTS = PROMPTS + [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+                             for n in (60, 90, 120, 150)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    out = {}
+    for i, (name, (model_type, tied, heads, kv, extra)) in enumerate(MODELS.items()):
+        out[name] = make_tiny_checkpoint(root / name, model_type, tie_word_embeddings=tied, num_attention_heads=heads,
+                                         num_key_value_heads=kv, seed=i, **extra)
+    return out
+
+
+def prefill_logits(model, prompts):
+    "Logits of every prompt token from one flat prefill batch without a KV cache (rank 0; None elsewhere)."
+    ids = torch.tensor(sum(prompts, []))
+    positions = torch.cat([torch.arange(len(p)) for p in prompts])
+    md = prefill_metadata([[] for _ in prompts], [0] * len(prompts), [len(p) for p in prompts], block_size=16)
+    with torch.no_grad():
+        return model.compute_logits(model(ids, positions, None, md))
+
+
+def all_prefill_logits(paths, dtypes):
+    "Our prefill logits for every checkpoint and dtype, computed on this rank."
+    return {(name, str(dt)): prefill_logits(load_model(path, dtype=dt), PREFILL_PROMPTS)
+            for name, path in paths.items() for dt in dtypes}
+
+
+def hf_prefill_logits(path, dtype):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    with torch.no_grad():
+        return torch.cat([hf(torch.tensor([p])).logits[0] for p in PREFILL_PROMPTS])
+
+
+@pytest.fixture(scope="module")
+def hf_logits(checkpoints):
+    return {(name, str(dt)): hf_prefill_logits(path, dt)
+            for name, path in checkpoints.items() for dt in (torch.float32, torch.bfloat16)}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_prefill_logits_match_transformers(checkpoints, hf_logits, tp):
+    dtypes = (torch.float32, torch.bfloat16)
+    ours = all_prefill_logits(checkpoints, dtypes) if tp == 1 else run_on_ranks(all_prefill_logits, tp, checkpoints, dtypes)
+    for name in checkpoints:
+        theirs = hf_logits[(name, "torch.float32")]
+        scale = theirs.abs().max()
+        torch.testing.assert_close(ours[(name, "torch.float32")], theirs, atol=1e-4 * scale, rtol=0,
+                                   msg=lambda m: f"{name} float32 at TP={tp}: {m}")
+        bf_ours, bf_theirs = ours[(name, "torch.bfloat16")], hf_logits[(name, "torch.bfloat16")]
+        assert bf_ours.dtype == torch.bfloat16
+        agree = (bf_ours.argmax(-1) == bf_theirs.argmax(-1)).float().mean().item()
+        assert agree >= 0.99, f"{name} bfloat16 at TP={tp}: argmax agrees on only {agree:.1%} of positions"
+
+
+def hf_greedy(path, prompts, n):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return [hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                        pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
+def generate_all(paths, block_sizes, n):
+    return {(name, bs): greedy_generate(load_model(path), PROMPTS, n, block_size=bs)
+            for name, path in paths.items() for bs in block_sizes}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_decode_through_paged_cache_matches_generate(checkpoints, tp):
+    paths = {k: checkpoints[k] for k in ("qwen3", "qwen2-tied", "llama-tied")}
+    ours = generate_all(paths, (16, 256), 32) if tp == 1 else run_on_ranks(generate_all, tp, paths, (16, 256), 32)
+    for name, path in paths.items():
+        expected = hf_greedy(path, PROMPTS, 32)
+        for bs in (16, 256):
+            assert ours[(name, bs)] == expected, f"{name}, block size {bs}, TP={tp}"
+
+
+def test_prefill_with_cached_prefix_equals_prefill_without(checkpoints):
+    "The first blocks of each prompt come from the cache; the logits of the rest are unchanged."
+    model, bs = load_model(checkpoints["qwen3"]), 4
+    prompts = [PROMPTS[1], PROMPTS[3]]  # 17 and 40 tokens
+    cached = [8, 36]  # whole blocks
+    tables = [[9, 2, 7, 0, 5], [1, 3, 4, 6, 8, 10, 11, 12, 13, 14]]
+    cache = allocate_kv_cache(2, 16, bs, model.config.num_kv_heads_per_rank, model.config.head_dim, torch.float32, "cpu")
+    with torch.no_grad():
+        # 1. the prefixes, into the cache
+        ids = torch.tensor(sum((p[:c] for p, c in zip(prompts, cached)), []))
+        pos = torch.cat([torch.arange(c) for c in cached])
+        model(ids, pos, cache, prefill_metadata(tables, [0, 0], cached, bs))
+        # 2. the rest, reading the prefix from the cache
+        rest = [p[c:] for p, c in zip(prompts, cached)]
+        ids = torch.tensor(sum(rest, []))
+        pos = torch.cat([torch.arange(c, len(p)) for p, c in zip(prompts, cached)])
+        md = prefill_metadata(tables, cached, [len(r) for r in rest], bs)
+        assert md.block_tables is not None
+        with_prefix = model.compute_logits(model(ids, pos, cache, md))
+    full = prefill_logits(model, prompts)
+    keep = torch.cat([torch.arange(c, len(p)) + off for p, c, off in zip(prompts, cached, [0, len(prompts[0])])])
+    torch.testing.assert_close(with_prefix, full[keep], atol=1e-5, rtol=1e-5)
+
+
+def test_bad_checkpoints(checkpoints, tmp_path):
+    src = checkpoints["qwen3"]
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors weights"):
+        dst = tmp_path / "noweights"; dst.mkdir(); shutil.copy(src / "config.json", dst); load_model(dst)
+    bad = tmp_path / "gpt2"; shutil.copytree(src, bad)
+    cfg = json.loads((bad / "config.json").read_text()); cfg["model_type"] = "gpt2"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
+        load_model(bad)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(tmp_path / "missing")
+
+
+def test_tp_that_does_not_divide_the_heads(checkpoints):
+    with pytest.raises(Exception, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
+        run_on_ranks(load_model, 3, checkpoints["qwen3"])
