@@ -1,0 +1,410 @@
+"""The scheduler against a one-request-at-a-time reference: a fake runner stores token ids in a paged cache
+(through the real attention metadata) and predicts each next token from the context it reads back, so wrong
+block tables, bad prefix-cache hits, lost chunks or incomplete recomputation change the tokens. Every batch is
+checked against the budgets."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.scheduler import (Scheduler, ScheduledBatch, SamplingParams, Sequence, SequenceStatus,
+                                       check_token_ids)
+from minivllm.kv_cache import decode_metadata, prefill_metadata, slot_mapping
+
+VOCAB = 50
+
+
+def next_token(context: list[int]) -> int:
+    "The fake model: a deterministic function of every token of the context and its position."
+    return (7 * sum((i + 1) * t for i, t in enumerate(context)) + 1) % VOCAB
+
+
+class FakeRunner:
+    "Runs batches against a cache of token ids: stores new tokens by slot, predicts from the context read back."
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size, self.cache = block_size, [None] * (num_blocks * block_size)
+
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        bs = self.block_size
+        md = (prefill_metadata(batch.block_tables, batch.num_computed_tokens, batch.num_new_tokens, bs) if batch.is_prefill
+              else decode_metadata(batch.block_tables, batch.context_lens, bs))
+        for slot, token in zip(md.slot_mapping.tolist(), batch.input_ids, strict=True):
+            self.cache[slot] = token
+        sampled = []
+        for seq, context_len, samples in zip(batch.seqs, batch.context_lens, batch.samples):
+            if not samples:
+                sampled.append(None)
+                continue
+            context = [self.cache[s] for s in slot_mapping(seq.block_table, 0, context_len, bs)]
+            assert None not in context, f"sequence {seq.seq_id} read a slot that was never written"
+            sampled.append(next_token(context))
+        return sampled
+
+
+def reference_tokens(prompt, params: SamplingParams, eos_token_ids=(), max_model_len=10**9) -> list[int]:
+    "What one request alone generates: `next_token` of the whole context, step by step, no cache at all."
+    tokens = list(prompt)
+    while True:
+        tokens.append(next_token(tokens))
+        t, out = tokens[-1], tokens[len(prompt):]
+        if t in params.stop_token_ids or (t in eos_token_ids and not params.ignore_eos) \
+           or len(out) >= params.max_tokens or len(tokens) >= max_model_len:
+            return out
+
+
+def check_batch(scheduler: Scheduler, batch: ScheduledBatch):
+    "The budgets hold, the batch is well formed, and only running sequences hold blocks, by reference count."
+    bm = scheduler.block_manager
+    assert 1 <= batch.num_seqs <= scheduler.max_num_seqs
+    assert batch.num_batched_tokens <= scheduler.max_num_batched_tokens
+    assert len({s.seq_id for s in batch.seqs}) == batch.num_seqs
+    assert min(batch.num_new_tokens) >= 1
+    assert all(s.status is SequenceStatus.RUNNING for s in batch.seqs)
+    if not batch.is_prefill:
+        assert batch.num_new_tokens == [1] * batch.num_seqs and all(batch.samples)
+        assert batch.context_lens == [s.num_tokens for s in batch.seqs]
+    for seq, context_len in zip(batch.seqs, batch.context_lens):
+        assert len(seq.block_table) * bm.block_size >= context_len
+    held = Counter(b for s in scheduler.running for b in s.block_table)
+    assert all(blk.ref_count == held[blk.block_id] for blk in bm.blocks)
+    assert not any(s.block_table for s in scheduler.waiting)
+    assert len(scheduler.running) <= scheduler.max_num_seqs
+
+
+def run(scheduler: Scheduler, requests, arrivals=None, runner: FakeRunner | None = None):
+    "Drive `scheduler` with a `FakeRunner` until every request finishes; `(sequences, batches)`."
+    bm = scheduler.block_manager
+    runner = runner or FakeRunner(bm.num_blocks, bm.block_size)
+    arrivals = arrivals or [0] * len(requests)
+    seqs, batches, step = [None] * len(requests), [], 0
+    while step <= max(arrivals) or not scheduler.is_finished():
+        for i, (prompt, params) in enumerate(requests):
+            if arrivals[i] == step:
+                seqs[i] = scheduler.add(prompt, params)
+        step += 1
+        if scheduler.is_finished():
+            continue
+        batch = scheduler.schedule()
+        check_batch(scheduler, batch)
+        finished = scheduler.postprocess(batch, runner.run(batch))
+        assert all(s.is_finished and s.block_table == [] and s not in scheduler.running for s in finished)
+        batches.append(batch)
+        assert step < 10_000, "the scheduler does not make progress"
+    assert bm.num_free_blocks == bm.num_blocks
+    return seqs, batches
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                   eos_token_ids=()):
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, max_num_batched_tokens, max_model_len,
+                     eos_token_ids)
+
+
+def workload(seed: int, n: int = 10):
+    "Requests over a few shared prefixes (one prompt is exactly a prefix), of mixed lengths, some stopping at EOS."
+    rng = random.Random(seed)
+    shared = [[rng.randrange(VOCAB) for _ in range(rng.randrange(4, 14))] for _ in range(2)]
+    prompts = []
+    for i in range(n):
+        kind = rng.random()
+        if kind < 0.5:
+            prompts.append(rng.choice(shared) + [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 10))])
+        else:
+            prompts.append([rng.randrange(VOCAB) for _ in range(rng.randrange(1, 40))])
+    return [(p, SamplingParams(max_tokens=rng.randrange(1, 20), ignore_eos=rng.random() < 0.7)) for p in prompts]
+
+
+# ---------------------------------------------------------------------------------------------- sampling params
+
+def test_sampling_params_defaults():
+    p = SamplingParams()
+    assert (p.temperature, p.top_k, p.top_p, p.max_tokens, p.ignore_eos, p.seed, p.stop_token_ids) == \
+           (1.0, -1, 1.0, 64, False, None, ())
+    assert SamplingParams(temperature=0, top_k=1, stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+    assert SamplingParams(stop_token_ids=(t for t in [5, 6])).stop_token_ids == (5, 6)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.5), r"temperature must be a finite number >= 0 \(0 = greedy\), got -0.5"),
+    (dict(temperature=float("inf")), "temperature must be a finite number"),
+    (dict(temperature="hot"), "temperature must be a finite number"),
+    (dict(top_p=0), r"top_p must be in \(0, 1\] \(1 = off\), got 0"),
+    (dict(top_p=1.01), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=0), r"top_k must be -1 \(off\) or an integer >= 1, got 0"),
+    (dict(top_k=-3), r"top_k must be -1 \(off\) or an integer >= 1, got -3"),
+    (dict(top_k=1.5), "top_k must be -1"),
+    (dict(max_tokens=0), "max_tokens must be an integer >= 1, got 0"),
+    (dict(max_tokens=2.0), "max_tokens must be an integer >= 1"),
+    (dict(ignore_eos=1), "ignore_eos must be True or False"),
+    (dict(seed=1.5), "seed must be an integer or None"),
+    (dict(stop_token_ids=[1, -1]), "stop_token_ids must be a sequence of token ids"),
+    (dict(stop_token_ids="12"), "stop_token_ids must be a sequence of token ids"),
+    (dict(stop_token_ids=7), "stop_token_ids must be a sequence of token ids"),
+])
+def test_sampling_params_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- sequences
+
+def test_sequence_properties():
+    seq = Sequence(3, [5, 6, 7])
+    assert (seq.seq_id, seq.status, seq.num_tokens, seq.last_token, seq.num_uncomputed_tokens) == \
+           (3, SequenceStatus.WAITING, 3, 7, 3)
+    seq.token_ids.append(8)
+    assert (seq.prompt_token_ids, seq.completion_token_ids, seq.num_completion_tokens) == ([5, 6, 7], [8], 1)
+    assert "id=3" in repr(seq)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([], "the prompt is empty"),
+    ("abc", "tokenize it first"),
+    ([1, 2.0], r"token ids \(integers >= 0\)"),
+    ([1, -1], r"token ids \(integers >= 0\)"),
+    ([True], r"token ids \(integers >= 0\)"),
+])
+def test_bad_prompts_are_refused(prompt, message):
+    with pytest.raises(ValueError, match=message):
+        check_token_ids(prompt)
+    with pytest.raises(ValueError, match=message):
+        make_scheduler().add(prompt)
+
+
+# ---------------------------------------------------------------------------------------------- scheduling
+
+def test_all_requests_finish_with_exactly_max_tokens_when_ignoring_eos():
+    requests = [(list(range(1, 1 + n)), SamplingParams(max_tokens=m, ignore_eos=True))
+                for n, m in [(3, 1), (5, 7), (9, 2), (17, 12), (1, 30)]]
+    sched = make_scheduler(num_blocks=32, eos_token_ids=list(range(VOCAB)))  # every token is an EOS, ignored
+    seqs, _ = run(sched, requests)
+    assert [s.num_completion_tokens for s in seqs] == [1, 7, 2, 12, 30]
+    assert all(s.finish_reason == "length" and s.status is SequenceStatus.FINISHED for s in seqs)
+    assert [s.completion_token_ids for s in seqs] == [reference_tokens(p, sp) for p, sp in requests]
+
+
+SETTINGS = {  # the cache size in tokens; the longest request of `workload` needs 57
+    "roomy": dict(cache_tokens=512, max_num_seqs=16, max_num_batched_tokens=512),
+    "tiny cache": dict(cache_tokens=64, max_num_seqs=8, max_num_batched_tokens=64),
+    "tiny budget": dict(cache_tokens=512, max_num_seqs=4, max_num_batched_tokens=5),
+    "tiny everything": dict(cache_tokens=64, max_num_seqs=2, max_num_batched_tokens=3),
+    "one at a time": dict(cache_tokens=512, max_num_seqs=1, max_num_batched_tokens=1),
+}
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_same_tokens_whatever_the_schedule(setting, block_size):
+    kw = dict(SETTINGS[setting])
+    num_blocks = kw.pop("cache_tokens") // block_size
+    eos, preemptions, chunked_steps = [3], 0, 0
+    for seed in range(3):
+        requests = workload(seed)
+        sched = make_scheduler(num_blocks, block_size, eos_token_ids=eos, **kw)
+        seqs, batches = run(sched, requests, arrivals=[i // 3 for i in range(len(requests))])
+        assert [s.completion_token_ids for s in seqs] == [reference_tokens(p, sp, eos) for p, sp in requests]
+        preemptions += sched.num_preemptions
+        chunked_steps += sum(not all(b.samples) for b in batches if b.is_prefill)
+    assert (preemptions > 0) == (setting in ("tiny cache", "tiny everything"))
+    assert (chunked_steps > 0) == (setting in ("tiny budget", "tiny everything", "one at a time"))
+
+
+def test_one_sequence_at_a_time_is_the_reference_schedule():
+    sched = make_scheduler(max_num_seqs=1, max_num_batched_tokens=64)
+    requests = workload(7, n=5)
+    seqs, batches = run(sched, requests)
+    assert all(b.num_seqs == 1 for b in batches)
+    order = [b.seqs[0].seq_id for b in batches]
+    assert order == sorted(order)  # first come, first served, each to its end
+
+
+def test_decode_waits_while_prompts_are_prefilled():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    requests = [([1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True)),
+                (list(range(20)), SamplingParams(max_tokens=2, ignore_eos=True))]
+    seqs, batches = run(sched, requests, arrivals=[0, 2])
+    kinds = [(b.is_prefill, [s.seq_id for s in b.seqs], b.num_new_tokens) for b in batches[:6]]
+    assert kinds == [(True, [0], [3]), (False, [0], [1]), (True, [1], [8]), (True, [1], [8]), (True, [1], [4]),
+                     (False, [0, 1], [1, 1])]
+
+
+def test_chunked_prefill_computes_each_token_once():
+    sched = make_scheduler(max_num_seqs=4, max_num_batched_tokens=7)
+    prompt = list(range(30))
+    (seq,), batches = run(sched, [(prompt, SamplingParams(max_tokens=3, ignore_eos=True))])
+    prefill = [b for b in batches if b.is_prefill]
+    assert [b.num_computed_tokens[0] for b in prefill] == [0, 7, 14, 21, 28]
+    assert [b.num_new_tokens[0] for b in prefill] == [7, 7, 7, 7, 2]
+    assert [b.samples[0] for b in prefill] == [False] * 4 + [True]
+    assert seq.completion_token_ids == reference_tokens(prompt, SamplingParams(max_tokens=3))
+
+
+def test_a_chunk_ending_one_token_short_finishes_as_a_decode():
+    "A 9-token prompt with a budget of 8: the 9th token is computed by a decode step, which samples."
+    sched = make_scheduler(max_num_seqs=4, max_num_batched_tokens=8)
+    prompt = list(range(9))
+    (seq,), batches = run(sched, [(prompt, SamplingParams(max_tokens=2, ignore_eos=True))])
+    assert [(b.is_prefill, b.num_computed_tokens, b.num_new_tokens, b.samples) for b in batches] == \
+           [(True, [0], [8], [False]), (False, [8], [1], [True]), (False, [9], [1], [True])]
+    assert seq.completion_token_ids == reference_tokens(prompt, SamplingParams(max_tokens=2))
+
+
+def test_preemption_is_counted_and_recomputed():
+    requests = [(list(range(10 * i, 10 * i + 6)), SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(3)]
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    seqs, batches = run(sched, requests)
+    assert sched.num_preemptions == 2 and [s.num_preemptions for s in seqs] == [0, 1, 1]
+    assert [([p.seq_id for p in b.preempted], [s.seq_id for s in b.seqs]) for b in batches if b.preempted] == \
+           [([2], [0, 1]), ([1], [0])]
+    recompute = [b for b in batches if b.is_prefill and 2 in [s.seq_id for s in b.seqs]][-1]
+    i = [s.seq_id for s in recompute.seqs].index(2)
+    assert recompute.num_computed_tokens[i] + recompute.num_new_tokens[i] == 6 + 3  # its prompt and the 3 tokens it had
+    assert [s.completion_token_ids for s in seqs] == [reference_tokens(p, sp) for p, sp in requests]
+
+
+def test_several_preempted_sequences_keep_their_order_at_the_front():
+    "Four 3-token prompts fill 8 blocks of 2; at the 5th token the two newest are preempted, in one step."
+    sched = make_scheduler(num_blocks=8, block_size=2, max_num_seqs=8, max_num_batched_tokens=16)
+    for i in range(4):
+        sched.add([i + 1] * 3, SamplingParams(max_tokens=10, ignore_eos=True))
+    runner = FakeRunner(8, 2)
+    for _ in range(3):  # prefill, then two decode steps
+        batch = sched.schedule()
+        sched.postprocess(batch, runner.run(batch))
+    assert [s.seq_id for s in batch.preempted] == [3, 2]  # newest first...
+    assert [s.seq_id for s in sched.waiting] == [2, 3]  # ...so the queue keeps their admission order
+    assert [s.seq_id for s in batch.seqs] == [0, 1] and sched.num_preemptions == 2
+
+
+def test_prefix_cache_hits_and_fully_cached_prompt():
+    prefix = [11, 12, 13, 14, 15, 16, 17, 18]
+    requests = [(prefix + [1], SamplingParams(max_tokens=4, ignore_eos=True)),
+                (prefix + [2, 3, 4], SamplingParams(max_tokens=4, ignore_eos=True)),
+                (prefix, SamplingParams(max_tokens=2, ignore_eos=True))]  # entirely cached
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    seqs, batches = run(sched, requests, arrivals=[0, 1, 2])
+    assert [s.num_cached_tokens for s in seqs] == [0, 8, 4]
+    assert [b.num_new_tokens for b in batches[:3]] == [[9], [3], [4]]
+    assert sched.block_manager.prefix_cache_hit_tokens == 12
+    assert sched.block_manager.prefix_cache_hit_blocks == 3
+    assert [s.completion_token_ids for s in seqs] == [reference_tokens(p, sp) for p, sp in requests]
+
+
+def test_same_prompt_in_one_step_does_not_share_uncomputed_blocks():
+    prompt = list(range(12))
+    requests = [(prompt, SamplingParams(max_tokens=2, ignore_eos=True))] * 2
+    sched = make_scheduler()
+    runner = FakeRunner(sched.block_manager.num_blocks, sched.block_manager.block_size)
+    seqs, batches = run(sched, requests, runner=runner)
+    assert [s.num_cached_tokens for s in seqs] == [0, 0]
+    assert batches[0].num_new_tokens == [12, 12]
+    seqs, _ = run(sched, requests, runner=runner)  # later, both find the published blocks
+    assert [s.num_cached_tokens for s in seqs] == [8, 8]
+
+
+def test_eos_and_stop_tokens_finish_requests_and_free_blocks():
+    prompt = [1, 2, 3]
+    free_run = reference_tokens(prompt, SamplingParams(max_tokens=20, ignore_eos=True))
+    eos = free_run[4]
+    cut = free_run.index(eos) + 1
+    sched = make_scheduler(eos_token_ids=[eos])
+    requests = [(prompt, SamplingParams(max_tokens=20)),
+                (prompt, SamplingParams(max_tokens=20, ignore_eos=True)),
+                (prompt, SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=[eos])),
+                (prompt, SamplingParams(max_tokens=20, stop_token_ids=[free_run[1]]))]
+    seqs, _ = run(sched, requests)  # run() checks that every block is free at the end
+    assert [(s.finish_reason, s.completion_token_ids) for s in seqs] == \
+           [("stop", free_run[:cut]), ("length", free_run), ("stop", free_run[:cut]),
+            ("stop", free_run[:free_run.index(free_run[1]) + 1])]
+    assert all(s.block_table == [] for s in seqs)
+
+
+def test_max_model_len_caps_prompt_and_output():
+    sched = make_scheduler(max_model_len=10)
+    (seq,), _ = run(sched, [([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))])
+    assert (seq.finish_reason, seq.num_tokens) == ("length", 10)
+    assert seq.completion_token_ids == reference_tokens([1, 2, 3], SamplingParams(max_tokens=7))
+    (seq,), _ = run(sched, [(list(range(9)), SamplingParams(max_tokens=50))])
+    assert seq.num_completion_tokens == 1
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_workloads_and_settings(seed):
+    "Random workloads under random budgets, block sizes and arrival times: the reference's tokens, budgets kept."
+    rng = random.Random(1000 + seed)
+    block_size = rng.choice([1, 2, 4, 8])
+    requests = workload(seed, n=rng.randrange(1, 14))
+    longest = max(len(p) + sp.max_tokens for p, sp in requests)
+    max_num_seqs = rng.randrange(1, 8)
+    kw = dict(block_size=block_size, max_num_seqs=max_num_seqs,
+              num_blocks=-(-longest // block_size) + rng.randrange(0, 30),
+              max_num_batched_tokens=max_num_seqs + rng.randrange(0, 40), eos_token_ids=[rng.randrange(VOCAB)])
+    sched = make_scheduler(**kw)
+    arrivals = sorted(rng.randrange(0, 20) for _ in requests)
+    seqs, _ = run(sched, requests, arrivals)
+    assert [s.completion_token_ids for s in seqs] == \
+           [reference_tokens(p, sp, kw["eos_token_ids"]) for p, sp in requests]
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+def test_add_rejects_requests_that_can_never_run():
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=32)
+    with pytest.raises(ValueError, match="the prompt has 32 tokens, but max_model_len is 32"):
+        sched.add(list(range(32)))
+    with pytest.raises(ValueError, match="need 6 blocks, but the whole KV cache has 4 blocks of 4 tokens"):
+        sched.add([1, 2], SamplingParams(max_tokens=20))
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams"):
+        sched.add([1, 2], {"max_tokens": 3})
+    assert not sched.waiting and next(sched.seq_ids) == 0  # nothing was queued, no id was spent
+    seq = sched.add(list(range(10)), SamplingParams(max_tokens=7))  # at most 16 tokens with K/V: exactly 4 blocks
+    assert seq.seq_id == 1 and list(sched.waiting) == [seq]
+
+
+def test_a_request_filling_the_whole_cache_runs_alone():
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64)
+    requests = [(list(range(10)), SamplingParams(max_tokens=7, ignore_eos=True)),
+                ([5, 6], SamplingParams(max_tokens=14, ignore_eos=True)),
+                (list(range(10)), SamplingParams(max_tokens=7, ignore_eos=True))]
+    seqs, _ = run(sched, requests)
+    assert [s.completion_token_ids for s in seqs] == [reference_tokens(p, sp) for p, sp in requests]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_num_seqs=0), "max_num_seqs must be a positive integer"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be a positive integer"),
+    (dict(max_model_len=1.5), "max_model_len must be a positive integer"),
+    (dict(max_num_seqs=16, max_num_batched_tokens=8), r"max_num_batched_tokens \(8\) must be at least max_num_seqs \(16\)"),
+    (dict(eos_token_ids=[-1]), r"eos_token_ids must hold token ids"),
+])
+def test_scheduler_constructor_validates(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Scheduler(BlockManager(8, 4), **kwargs)
+
+
+def test_schedule_and_postprocess_misuse():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    with pytest.raises(RuntimeError, match="nothing to schedule"):
+        sched.schedule()
+    seq = sched.add(list(range(12)))
+    batch = sched.schedule()
+    with pytest.raises(ValueError, match=r"one sampled token per sequence of the batch \(1\), got 2"):
+        sched.postprocess(batch, [1, 2])
+    assert sched.postprocess(batch, [None]) == []  # a chunk samples nothing
+    with pytest.raises(RuntimeError, match="call postprocess exactly once for each batch"):
+        sched.postprocess(batch, [None])
+    batch = sched.schedule()  # the last 4 tokens: samples
+    for bad in (None, -5, 2.0):
+        with pytest.raises(ValueError, match=r"the token sampled for sequence 0 must be a token id"):
+            sched.postprocess(batch, [bad])
+        assert (seq.num_computed_tokens, seq.num_tokens) == (8, 12)  # a refused call changes nothing
+    sched.postprocess(batch, [7])
+    assert (seq.num_computed_tokens, seq.completion_token_ids) == (12, [7])
+
+
+def test_sequence_ids_belong_to_their_scheduler():
+    a, b = make_scheduler(), make_scheduler()
+    assert [a.add([1]).seq_id, a.add([2]).seq_id, b.add([3]).seq_id] == [0, 1, 0]
