@@ -35,11 +35,13 @@ setuptools.setup(
     keywords=cfg['keywords'],
     packages=setuptools.find_packages(include=['minivllm', 'minivllm.*']),
     include_package_data=True,
+    package_data={'minivllm': ['default_model/*']},  # the small model `LLM()` uses when given no path
     install_requires=reqs('requirements'),
     extras_require={'dev': reqs('dev_requirements'), 'gpu': reqs('gpu_requirements')},
     python_requires='>=' + min_python,
     long_description=open('README.md', encoding='utf-8').read(),
     long_description_content_type='text/markdown',
     zip_safe=False,
-    entry_points={'nbdev': [f"{cfg['lib_path']}={cfg['lib_path']}._modidx:d"]},
+    entry_points={'nbdev': [f"{cfg['lib_path']}={cfg['lib_path']}._modidx:d"],
+                  'console_scripts': cfg.get('console_scripts', '').split()},
 )

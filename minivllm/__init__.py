@@ -1,1 +1,6 @@
 __version__ = "0.0.1"
+
+from minivllm.engine.scheduler import SamplingParams  # noqa: E402
+from minivllm.llm import LLM, RequestOutput  # noqa: E402
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput"]
