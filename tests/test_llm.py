@@ -1,0 +1,300 @@
+"""The engine end to end: greedy tokens identical at TP=1, 2, 4 and to transformers (roomy cache; a small cache that
+preempts, shared prefixes that hit the prefix cache and a token budget that chunks prefills), seeded sampling across
+runs and TP sizes, shutdown after close / a worker's exception / SIGKILL / rank 0 interrupted, two engines side by
+side, and bad requests refused while the engine keeps serving."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from minivllm import LLM, SamplingParams
+from minivllm.distributed import RankFailure
+from minivllm.models import make_tiny_checkpoint
+
+SHM = Path("/dev/shm")
+MAX_TOKENS = 16
+
+
+def our_segments(pid: int | None = None) -> set:
+    "minivllm shared-memory segments created by process `pid` (default: this one)."
+    return {p.name for p in SHM.glob(f"minivllm-{pid or os.getpid()}-*")}
+
+
+def gone(pid: int) -> bool:
+    "Whether `pid` has exited (an unreaped zombie counts as gone)."
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_until(cond, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond(): return True
+        time.sleep(0.05)
+    return cond()
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_segments():
+    before = our_segments()
+    yield
+    left = our_segments() - before
+    for name in left: (SHM / name).unlink(missing_ok=True)
+    assert not left, f"segments left in /dev/shm: {sorted(left)}"
+
+
+def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    "18 prompts of 1..70 tokens; 8 of them share a 40-token prefix (so the prefix cache has something to hit)."
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda n: torch.randint(1, vocab, (n,), generator=g).tolist()
+    shared = rand(40)
+    lengths = [1, 3, 7, 12, 17, 25, 33, 50, 64, 70]
+    return [rand(n) for n in lengths] + [shared + rand(k) for k in (1, 2, 5, 8, 9, 13, 20, 24)]
+
+
+CASES = {  # name: (model_type, checkpoint overrides)
+    "qwen3": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama": ("llama", dict(num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True)),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    "A tiny float32 checkpoint, prompts, and transformers' greedy completions of them."
+    model_type, kw = CASES[request.param]
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), model_type, vocab_size=256, seed=1, **kw)
+    prompts = make_prompts(256)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    expected = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0,
+                            eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    return path, prompts, expected
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+SEEDED = [SamplingParams(temperature=0.9, top_k=50, top_p=0.9, max_tokens=MAX_TOKENS, ignore_eos=True, seed=100 + i)
+          for i in range(18)]
+_sampled_at = {}  # (case, tp) -> seeded completions, compared across TP sizes
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_greedy_matches_transformers_with_a_roomy_cache(case, tp):
+    path, prompts, expected = case
+    with LLM(path, tensor_parallel_size=tp, max_model_len=128, kvcache_block_size=8) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert llm.scheduler.num_preemptions == 0
+        assert [o.token_ids for o in outputs] == expected
+        assert all(o.finish_reason == "length" for o in outputs)
+        sampled = [o.token_ids for o in llm.generate(prompts, SEEDED, use_tqdm=False)]
+        again = [o.token_ids for o in llm.generate(prompts[::-1], SEEDED[::-1], use_tqdm=False)][::-1]
+        assert sampled == again, "a seeded request must not depend on what it is batched with"
+    _sampled_at[(str(path), tp)] = sampled
+    if (str(path), 1) in _sampled_at:
+        assert sampled == _sampled_at[(str(path), 1)], "seeded sampling must give the same tokens at every TP size"
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_greedy_matches_with_preemption_prefix_hits_and_chunked_prefill(case, tp):
+    "24 blocks of 4 tokens for 18 requests, 32 tokens per step: preempts, hits the prefix cache and chunks prompts."
+    path, prompts, expected = case
+    with LLM(path, tensor_parallel_size=tp, max_model_len=96, kvcache_block_size=4, num_kvcache_blocks=24,
+             max_num_batched_tokens=32, max_num_seqs=8) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outputs] == expected
+        assert llm.scheduler.num_preemptions > 0, "the small cache should have forced preemption"
+        assert llm.scheduler.block_manager.prefix_cache_hit_blocks > 0, "shared prefixes should hit the cache"
+        assert max(len(p) for p in prompts) > 32, "a prompt longer than the token budget is prefilled in chunks"
+
+
+def test_prefix_cache_hits_are_reported_per_request(case):
+    path, prompts, expected = case
+    with LLM(path, max_model_len=128, kvcache_block_size=8) as llm:
+        first = llm.generate(prompts[10], GREEDY, use_tqdm=False)
+        second = llm.generate(prompts[11:13], GREEDY, use_tqdm=False)
+    assert first.num_cached_tokens == 0
+    assert [o.num_cached_tokens for o in second] == [40, 40]  # the shared 40 tokens: five full blocks of 8
+    assert [o.token_ids for o in second] == expected[11:13]
+
+
+# ------------------------------------------------------------------------------------------------ bad requests
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "qwen3", num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([1] * 64, GREEDY, "max_model_len is 64"),
+    ([], GREEDY, "the prompt is empty"),
+    ([1, 5000], GREEDY, "outside the vocabulary"),
+    ([1, -3], GREEDY, "token ids"),
+    ("text", GREEDY, "has no tokenizer"),
+    ([1, 2], "greedy", "must be a SamplingParams"),
+])
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(tiny, prompt, params, message):
+    with LLM(tiny, tensor_parallel_size=2, max_model_len=64) as llm:
+        good = llm.add_request([1, 2, 3], GREEDY)
+        with pytest.raises((ValueError, TypeError), match=message):
+            llm.generate([[4, 5], prompt], [GREEDY, params], use_tqdm=False)
+        assert list(llm.scheduler.waiting) == [good]  # the good request of the failed call was not left queued
+        while not good.is_finished: llm.step()
+        assert len(good.completion_token_ids) == MAX_TOKENS
+        assert len(llm.generate([4, 5], GREEDY, use_tqdm=False).token_ids) == MAX_TOKENS
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(temperature=-0.5), "temperature must be"), (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"), (dict(max_tokens=0), "max_tokens must be"),
+    (dict(top_k=-2), "top_k must be"),
+])
+def test_bad_sampling_params_name_the_field(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(tensor_parallel_size=3), "tensor_parallel_size"),
+    (dict(tensor_parallel_size=16), "tensor_parallel_size"),
+    (dict(max_model_len=100_000), "max_position_embeddings"),
+    (dict(kvcache_block_size=0), "kvcache_block_size must be a positive integer"),
+    (dict(num_kvcache_blocks=2, kvcache_block_size=16, max_model_len=256), "raise num_kvcache_blocks"),
+])
+def test_bad_engine_arguments(tiny, kw, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny, **kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_without_a_gpu_is_a_clear_error(tiny):
+    with pytest.raises(ValueError, match="torch sees no CUDA GPU"):
+        LLM(tiny, device="cuda")
+
+
+def test_missing_checkpoint_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no model folder"):
+        LLM(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises((FileNotFoundError, ValueError), match="config.json"):
+        LLM(tmp_path / "empty")
+
+
+# ------------------------------------------------------------------------------------------------ shutdown and faults
+def workers_of(llm):
+    return list(llm.channel.processes.values())
+
+
+def test_close_stops_workers_and_frees_shared_memory(tiny):
+    llm = LLM(tiny, tensor_parallel_size=4, max_model_len=64)
+    segment, workers = llm.channel.name, workers_of(llm)
+    assert len(workers) == 3 and (SHM / segment).exists()
+    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    llm.close()
+    llm.close()  # idempotent
+    assert all(not p.is_alive() for p in workers) and not (SHM / segment).exists()
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+
+
+def test_garbage_collected_engine_shuts_down(tiny):
+    import gc
+    llm = LLM(tiny, tensor_parallel_size=2, max_model_len=64)
+    segment, workers = llm.channel.name, workers_of(llm)
+    del llm
+    gc.collect()
+    assert wait_until(lambda: all(not p.is_alive() for p in workers), 10) and not (SHM / segment).exists()
+
+
+def test_worker_exception_is_reported_and_cleaned_up(tiny):
+    llm = LLM(tiny, tensor_parallel_size=2, max_model_len=64)
+    segment, workers = llm.channel.name, workers_of(llm)
+    llm.channel.call("no_such_method", wait=False)  # the worker raises AttributeError and exits
+    with pytest.raises(RankFailure, match=r"(?s)worker rank 1 raised.*AttributeError.*no_such_method"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert llm.closed and all(not p.is_alive() for p in workers) and not (SHM / segment).exists()
+
+
+def test_worker_killed_during_generation(tiny):
+    import threading
+    llm = LLM(tiny, tensor_parallel_size=2, max_model_len=512)
+    segment, (worker,) = llm.channel.name, workers_of(llm)
+    errors = []
+    def run():
+        try:
+            llm.generate([[1, 2, 3]] * 8, SamplingParams(temperature=0, max_tokens=480, ignore_eos=True), use_tqdm=False)
+        except Exception as e:
+            errors.append(e)
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(1.0)
+    os.kill(worker.pid, signal.SIGKILL)
+    t.join(60)
+    assert not t.is_alive(), "generate did not return after its worker was killed"
+    assert errors and isinstance(errors[0], RankFailure), errors
+    assert "worker rank 1" in str(errors[0]) and "SIGKILL" in str(errors[0])
+    assert llm.closed and not (SHM / segment).exists()
+
+
+RANK0_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from minivllm import LLM, SamplingParams
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=512)
+    print(json.dumps({"segment": llm.channel.name, "workers": [p.pid for p in llm.channel.processes.values()]}),
+          flush=True)
+    if sys.argv[2] == "interrupt":
+        llm.generate([[1, 2, 3]] * 8, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True), use_tqdm=False)
+    else:  # exit without close(): the interpreter's exit shuts the engine down
+        print(llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False).token_ids, flush=True)
+""")
+
+
+@pytest.mark.parametrize("how", ["interrupt", "exit"])
+def test_rank0_interrupted_or_exiting_leaves_nothing_behind(tiny, how):
+    proc = subprocess.Popen([sys.executable, "-c", RANK0_SCRIPT, str(tiny), how], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    info = json.loads(proc.stdout.readline())
+    if how == "interrupt":
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    if how == "interrupt":
+        assert proc.returncode != 0 and ("interrupted in the middle of a step" in err or "KeyboardInterrupt" in err), err
+    else:
+        assert proc.returncode == 0, err
+    assert wait_until(lambda: all(gone(pid) for pid in info["workers"]), 10), "a worker outlived rank 0"
+    assert not (SHM / info["segment"]).exists() and not our_segments(proc.pid)
+
+
+TWO_ENGINES = textwrap.dedent("""
+    import sys
+    from minivllm import LLM, SamplingParams
+    with LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=64) as llm:
+        out = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        print([o.token_ids for o in out])
+""")
+
+
+def test_two_engines_side_by_side(tiny):
+    "Two TP=2 engines in two processes at once (their own ports and segments), and two TP=1 engines in this one."
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_ENGINES, str(tiny)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    with LLM(tiny, max_model_len=64) as a, LLM(tiny, max_model_len=64) as b:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        here = [o.token_ids for o in a.generate([[1, 2, 3], [4, 5]], params, use_tqdm=False)]
+        assert here == [o.token_ids for o in b.generate([[1, 2, 3], [4, 5]], params, use_tqdm=False)]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [r[1][-2000:] for r in results]
+    assert [r[0].strip() for r in results] == [str(here)] * 2
+
+
+def test_cli_generate_on_a_checkpoint_without_tokenizer_is_a_clear_error(tiny):
+    r = subprocess.run([sys.executable, "-m", "minivllm", "generate", "hello", "--model", str(tiny), "--quiet"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "has no tokenizer" in r.stderr
