@@ -1,0 +1,69 @@
+"""The model the package ships: it loads with no path, its greedy text is the same at TP=1, 2 and 4 and equals
+transformers' on the same folder, and the validation loss in its model card is reproduced by our own model code."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from minivllm import LLM, SamplingParams
+from minivllm.kv_cache import prefill_metadata
+from minivllm.llm import DEFAULT_MODEL
+from minivllm.models import load_model
+
+PROMPTS = ["ROMEO.", "To be, or not to be, that is", "KING HENRY.\nMy lords, we", "And God said"]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def expected():
+    "transformers' greedy continuations of the prompts, in float32."
+    tok = transformers.AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32)
+    outs = []
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt").input_ids
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                          eos_token_id=None, pad_token_id=tok.pad_token_id or 0)
+        outs.append(out[0, ids.shape[1]:].tolist())
+    return outs
+
+
+def test_the_shipped_folder_is_complete_and_small():
+    names = {p.name for p in DEFAULT_MODEL.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md",
+            "training_log.json", "validation_sample.json"} <= names, names
+    assert sum(p.stat().st_size for p in DEFAULT_MODEL.iterdir()) < 25 * 2**20
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_greedy_text_is_the_same_at_every_tp_and_equals_transformers(expected, tp):
+    with LLM(tensor_parallel_size=tp, dtype="float32") as llm:  # no path: the packaged model
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == expected
+    assert all(isinstance(o.text, str) and o.text for o in outputs)
+
+
+def test_bfloat16_greedy_is_the_same_at_tp_1_and_2():
+    outs = []
+    for tp in (1, 2):
+        with LLM(tensor_parallel_size=tp, dtype="bfloat16") as llm:
+            outs.append([o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)])
+    assert outs[0] == outs[1]
+
+
+def test_model_card_validation_loss_is_reproduced():
+    "Our CausalLM (TP=1, float32) on the shipped validation sample gives the loss the model card records (within 0.05)."
+    log = json.loads((DEFAULT_MODEL / "training_log.json").read_text())
+    sample = json.loads((DEFAULT_MODEL / "validation_sample.json").read_text())
+    n, chunk = sample["num_chunks"], sample["chunk_tokens"]
+    rows = torch.tensor(sample["token_ids"], dtype=torch.long).view(n, chunk)
+    model = load_model(DEFAULT_MODEL, dtype="float32")
+    md = prefill_metadata([[] for _ in range(n)], [0] * n, [chunk] * n, block_size=16)
+    with torch.no_grad():
+        hidden = model(rows.flatten(), torch.arange(chunk).repeat(n), None, md)
+        logits = model.compute_logits(hidden).view(n, chunk, -1)
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), rows[:, 1:].flatten()).item()
+    assert abs(loss - log["validation_sample_loss"]) < 0.05, (loss, log["validation_sample_loss"])
+    assert loss < 4.5, "the model card's model should have learned something"
