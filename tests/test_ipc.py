@@ -20,6 +20,11 @@ from minivllm.engine.ipc import (ShmCommandChannel, ShmCommandReceiver, encode_c
 SHM = Path("/dev/shm")
 
 
+def default_sigint() -> None:
+    "In a child about to exec: let SIGINT interrupt it, even if this test run inherited it ignored (a background job)."
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def segments() -> set:
     "The segments this process created (other processes on the machine may have theirs: not our business)."
     return {p.name for p in SHM.glob(f"minivllm-{os.getpid()}-*")}
@@ -209,7 +214,8 @@ RANK0 = textwrap.dedent("""
 @pytest.mark.parametrize("how", ["sigkill", "keyboard_interrupt", "exit_without_close"])
 def test_rank0_gone_leaves_nothing(how):
     "Rank 0 killed, interrupted, or exiting without close(): the workers exit and the segment is unlinked."
-    rank0 = subprocess.Popen([sys.executable, "-c", RANK0, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rank0 = subprocess.Popen([sys.executable, "-c", RANK0, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, preexec_fn=default_sigint)
     name, pids = None, []
     try:
         line = rank0.stdout.readline().split()

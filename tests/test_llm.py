@@ -23,6 +23,11 @@ SHM = Path("/dev/shm")
 MAX_TOKENS = 16
 
 
+def default_sigint() -> None:
+    "In a child about to exec: let SIGINT interrupt it, even if this test run inherited it ignored (a background job)."
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def our_segments(pid: int | None = None) -> set:
     "minivllm shared-memory segments created by process `pid` (default: this one)."
     return {p.name for p in SHM.glob(f"minivllm-{pid or os.getpid()}-*")}
@@ -258,7 +263,8 @@ RANK0_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("how", ["interrupt", "exit"])
 def test_rank0_interrupted_or_exiting_leaves_nothing_behind(tiny, how):
     proc = subprocess.Popen([sys.executable, "-c", RANK0_SCRIPT, str(tiny), how], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
     info = json.loads(proc.stdout.readline())
     if how == "interrupt":
         time.sleep(1.0)
