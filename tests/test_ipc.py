@@ -17,12 +17,9 @@ from minivllm.distributed import RankFailure
 from minivllm.engine.ipc import (ShmCommandChannel, ShmCommandReceiver, encode_command, segment_name,
                                  sweep_stale_segments, worker_loop)
 
+from proc_helpers import default_sigint, gone, wait_until
+
 SHM = Path("/dev/shm")
-
-
-def default_sigint() -> None:
-    "In a child about to exec: let SIGINT interrupt it, even if this test run inherited it ignored (a background job)."
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def segments() -> set:
@@ -39,22 +36,6 @@ def no_leftover_segments():
     for name in left:
         (SHM / name).unlink(missing_ok=True)
     assert not left, f"segments left in /dev/shm: {sorted(left)}"
-
-
-def gone(pid: int) -> bool:
-    "Whether `pid` has exited (an unreaped zombie counts as gone)."
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-def wait_until(cond, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond(): return True
-        time.sleep(0.02)
-    return cond()
 
 
 class Recorder:

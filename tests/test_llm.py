@@ -19,34 +19,15 @@ from minivllm import LLM, SamplingParams
 from minivllm.distributed import RankFailure
 from minivllm.models import make_tiny_checkpoint
 
+from proc_helpers import default_sigint, gone, wait_until
+
 SHM = Path("/dev/shm")
 MAX_TOKENS = 16
-
-
-def default_sigint() -> None:
-    "In a child about to exec: let SIGINT interrupt it, even if this test run inherited it ignored (a background job)."
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def our_segments(pid: int | None = None) -> set:
     "minivllm shared-memory segments created by process `pid` (default: this one)."
     return {p.name for p in SHM.glob(f"minivllm-{pid or os.getpid()}-*")}
-
-
-def gone(pid: int) -> bool:
-    "Whether `pid` has exited (an unreaped zombie counts as gone)."
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-def wait_until(cond, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond(): return True
-        time.sleep(0.05)
-    return cond()
 
 
 @pytest.fixture(autouse=True)

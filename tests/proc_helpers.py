@@ -1,0 +1,26 @@
+"""Helpers for tests that start processes: is a pid gone, wait for a condition, and a child's SIGINT disposition."""
+import signal
+import time
+from pathlib import Path
+
+
+def gone(pid: int) -> bool:
+    "Whether `pid` has exited (an unreaped zombie counts as gone)."
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_until(cond, timeout_s: float) -> bool:
+    "Poll `cond()` until it is true or `timeout_s` passes; its last value."
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond(): return True
+        time.sleep(0.02)
+    return cond()
+
+
+def default_sigint() -> None:
+    "In a child about to exec: let SIGINT interrupt it, even if this test run inherited it ignored (a background job)."
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
