@@ -102,6 +102,12 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, por
 def destroy_distributed() -> None:
     "Leave the process group, if this process is in one."
     if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "gloo":
+            # subtle: before torch 2.8 a gloo group's destructor joins its worker threads while holding the GIL, and a
+            # worker still dropping the last reference to a finished collective's tensor waits for that GIL: a
+            # deadlock (pytorch/pytorch#154976; 11 of 25 runs with torch 2.4.1 here). Sleeping releases the GIL so
+            # the workers finish first (0 of 25 hung).
+            time.sleep(0.1)
         dist.destroy_process_group()
 
 # %% ../nbs/01_distributed.ipynb #4f2f7ca9
@@ -156,6 +162,9 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str | None, paylo
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
+        # subtle: `put` hands the report to a feeder thread; wait until it is written, so that nothing that happens
+        # while this rank tears down (a hang, a crash) can swallow a report the parent is waiting for.
+        results.close(); results.join_thread()
         try: destroy_distributed()
         except Exception: pass
 
