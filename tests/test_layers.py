@@ -95,9 +95,10 @@ def test_silu_and_mul_odd_width():
 # ---------------------------------------------------------------- rotary embedding
 
 def hf_rope(head_dim, max_position, base, rope_scaling=None):
-    params = {"rope_type": "default", "rope_theta": base, **(rope_scaling or {})}
+    "transformers' Llama rotary embedding, configured with the keys that transformers 4 and 5 both read."
     cfg = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
-                      max_position_embeddings=max_position, rope_parameters=params)
+                      max_position_embeddings=max_position, rope_theta=base,
+                      rope_scaling=dict(rope_scaling) if rope_scaling else None)  # a copy: transformers 5 writes into it
     return LlamaRotaryEmbedding(cfg)
 
 
