@@ -18,6 +18,9 @@ try:  # optional: the store kernel on CUDA (torch's CUDA wheels bring it along)
 except ImportError:
     triton = tl = None
     HAS_TRITON = False
+# subtle: Triton's interpreter runs kernels on CPU tensors only from triton 3.2 on; the interpreter of triton 3.0
+# and 3.1 (which torch 2.4 and 2.5 pin) copies CPU tensors in and never writes them back, a silent no-op.
+TRITON_RUNS_ON_CPU = HAS_TRITON and tuple(int(n) for n in triton.__version__.split(".")[:2]) >= (3, 2)
 
 try:  # optional: the fast attention kernels on CUDA (`pip install minivllm[gpu]`)
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -27,10 +30,10 @@ except ImportError:
     HAS_FLASH_ATTN = False
 
 # %% auto #0
-__all__ = ['allocate_kv_cache', 'kv_cache_bytes_per_block', 'slot_mapping', 'store_kvcache_torch', 'store_kvcache_triton',
-           'store_kvcache', 'AttentionMetadata', 'prefill_metadata', 'decode_metadata', 'attention_reference',
-           'causal_mask', 'attention_sdpa', 'gather_kv', 'paged_attention_torch', 'paged_attention_flash',
-           'attention_backend', 'Attention']
+__all__ = ['TRITON_RUNS_ON_CPU', 'allocate_kv_cache', 'kv_cache_bytes_per_block', 'slot_mapping', 'store_kvcache_torch',
+           'store_kvcache_triton', 'store_kvcache', 'AttentionMetadata', 'prefill_metadata', 'decode_metadata',
+           'attention_reference', 'causal_mask', 'attention_sdpa', 'gather_kv', 'paged_attention_torch',
+           'paged_attention_flash', 'attention_backend', 'Attention']
 
 # %% ../nbs/05_kv_cache.ipynb #6a3455bc
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -98,6 +101,9 @@ def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.
     "`store_kvcache_torch` as a Triton kernel, one program per token (CPU tensors need `TRITON_INTERPRET=1`)."
     if not HAS_TRITON:
         raise RuntimeError("store_kvcache_triton needs triton: pip install triton (or use store_kvcache_torch)")
+    if not key.is_cuda and not TRITON_RUNS_ON_CPU:
+        raise RuntimeError(f"triton {triton.__version__} cannot run kernels on CPU tensors (its interpreter would "
+                           "store nothing): use store_kvcache_torch on the CPU, or triton >= 3.2")
     _check_store_args(key, value, k_cache, v_cache, slot_mapping)
     T, D = key.shape[0], key.shape[1] * key.shape[2]
     # the kernel reads each token's row as D consecutive numbers: copy keys or values not laid out so

@@ -181,6 +181,16 @@ def test_store_dispatcher_uses_the_fallback_on_cpu(monkeypatch):
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
 
 
+def interpreted(test):
+    "Run `test` (the kernel on CPU tensors) where Triton's interpreter can run it; on a GPU the CUDA test below runs."
+    for mark in (needs_triton,
+                 pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the CUDA kernel test covers it"),
+                 pytest.mark.skipif(HAS_TRITON and not kv.TRITON_RUNS_ON_CPU,
+                                    reason="triton < 3.2: its interpreter cannot run kernels on CPU tensors")):
+        test = mark(test)
+    return test
+
+
 def _check_kernel_runs_here():
     "Fail with the fix if the kernel was defined before TRITON_INTERPRET=1 was set (it then needs a GPU)."
     if not torch.cuda.is_available() and type(kv._store_kvcache_kernel).__name__ != "InterpretedFunction":
@@ -188,7 +198,7 @@ def _check_kernel_runs_here():
                     "GPU: set the variable in tests/conftest.py (before any test imports minivllm)")
 
 
-@needs_triton
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, head_dim, slots", [
     (2, 8, (9, 2, -1, 3, 4)),  # D = 16, a power of two
@@ -206,7 +216,7 @@ def test_store_triton_matches_torch(dtype, heads, head_dim, slots):
     assert int((k_tri != 0).any(-1).any(-1).sum()) == sum(s >= 0 for s in slots)
 
 
-@needs_triton
+@interpreted
 def test_store_triton_follows_the_row_stride_of_a_qkv_view():
     "Keys and values that are views into one [T, 3, heads, head_dim] qkv tensor."
     _check_kernel_runs_here()
@@ -217,6 +227,16 @@ def test_store_triton_follows_the_row_stride_of_a_qkv_view():
     store_kvcache_torch(key, value, k_ref, v_ref, slots)
     store_kvcache_triton(key, value, k_tri, v_tri, slots)
     torch.testing.assert_close((k_tri, v_tri), (k_ref, v_ref), **EXACT)
+
+
+@needs_triton
+def test_store_triton_refuses_cpu_tensors_it_cannot_write(monkeypatch):
+    "With a triton whose interpreter cannot write CPU tensors, the kernel refuses them instead of storing nothing."
+    monkeypatch.setattr(kv, "TRITON_RUNS_ON_CPU", False)
+    key, value, k_cache, v_cache, slots = tiny_store_inputs(torch.float32)
+    with pytest.raises(RuntimeError, match="cannot run kernels on CPU tensors .* use store_kvcache_torch"):
+        store_kvcache_triton(key, value, k_cache, v_cache, slots)
+    assert not k_cache.any() and not v_cache.any()
 
 
 # ---------------------------------------------------------------------------------------------- metadata
