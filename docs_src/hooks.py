@@ -12,7 +12,7 @@
 - on_files: adds those pages, and the generated API pages, to the site (before mkdocs-jupyter wraps notebooks).
 - mkdocs-jupyter's HTML exporter is patched to use docs_src/templates/notebook.html.j2, which drops nbconvert's
   cdnjs MathJax 2 and mermaid injections (the site serves MathJax 3 itself: nothing is fetched from the network).
-- on_page_content: links between notebooks (`02_parallel_linear.ipynb`) point at their pages (`.html`), the
+- on_page_content: links between notebooks (`03_parallel_linear.ipynb`) point at their pages (`.html`), the
   table of contents is rebuilt from the rendered headings (mkdocs-jupyter's drops `code` from heading anchors), and
   ```mermaid blocks stay source code (the theme would fetch mermaid from unpkg to draw them).
 
@@ -82,7 +82,7 @@ _CODE_SPAN = re.compile(r"(?<![\[\w])`([\w.]+)`(?![\]\w])")
 
 
 def _link_names(markdown: str, stems: set[str], modules: set[str]) -> str:
-    "Link `02_parallel_linear` to its page and `minivllm.layers.linear` to its API page (outside code fences)."
+    "Link `03_parallel_linear` to its page and `minivllm.layers.linear` to its API page (outside code fences)."
     def link(m):
         name = m.group(1)
         if name in stems:

@@ -33,7 +33,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
 ARTIFACTS = ROOT / "test-artifacts"
-SEARCH_TERM, SEARCH_PAGE = "RowParallelLinear", "02_parallel_linear.html"
+SEARCH_TERM, SEARCH_PAGE = "RowParallelLinear", "03_parallel_linear.html"
 UNIQUE_TERM = "every_rank_adds_bias"  # a name that only the parallel-linear notebook uses
 
 
