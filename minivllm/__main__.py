@@ -1,6 +1,6 @@
-"`python -m minivllm ...`: the same command line as `minivllm ...` (hand-written; see nbs/12_llm.ipynb)."
+"`python -m minivllm ...`: the same command line as `minivllm ...` (hand-written; see nbs/15_cli.ipynb)."
 import sys
 
-from minivllm.llm import main
+from minivllm.cli import main
 
 sys.exit(main())

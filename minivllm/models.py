@@ -5,16 +5,14 @@
 # %% ../nbs/07_models.ipynb #3b61393b
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import nn
 
 from .config import Config
 from .kv_cache import Attention, AttentionMetadata
-from .distributed import all_reduce, tp_rank, tp_size
+from .distributed import Communicator
 from .kv_cache import allocate_kv_cache, decode_metadata, prefill_metadata
 from .layers.common import RMSNorm, SiluAndMul, get_rope
 from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -28,13 +26,13 @@ __all__ = ['DecoderAttention', 'DecoderMLP', 'DecoderLayer', 'DecoderModel', 'Ca
 # %% ../nbs/07_models.ipynb #65b4563f
 class DecoderAttention(nn.Module):
     "Self-attention with grouped-query heads split across ranks: QKV (column) → q/k norm → RoPE → paged attention → o (row)."
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, comm: Communicator):
         super().__init__()
         c = config
         self.qkv_proj = QKVParallelLinear(c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads,
-                                          bias=c.qkv_bias)
+                                          bias=c.qkv_bias, comm=comm)
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, c.head_dim
-        self.o_proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        self.o_proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.o_bias, comm=comm)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.rotary_emb = get_rope(c)
@@ -55,11 +53,11 @@ class DecoderAttention(nn.Module):
 # %% ../nbs/07_models.ipynb #c284ede5
 class DecoderMLP(nn.Module):
     "SwiGLU MLP: merged gate|up (column) → SiLU(gate)·up → down (row)."
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, comm: Communicator):
         super().__init__()
         c = config
-        self.gate_up_proj = MergedColumnParallelLinear(c.hidden_size, [c.intermediate_size] * 2, bias=c.mlp_bias)
-        self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(c.hidden_size, [c.intermediate_size] * 2, bias=c.mlp_bias, comm=comm)
+        self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, comm=comm)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,12 +66,12 @@ class DecoderMLP(nn.Module):
 # %% ../nbs/07_models.ipynb #81d0a8a9
 class DecoderLayer(nn.Module):
     "Pre-norm transformer layer: attention and MLP, each behind an RMSNorm with a fused residual add."
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, comm: Communicator):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config)
+        self.self_attn = DecoderAttention(config, comm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DecoderMLP(config)
+        self.mlp = DecoderMLP(config, comm)
 
     def forward(self, positions, hidden_states, residual, k_cache, v_cache, metadata):
         if residual is None:
@@ -87,10 +85,10 @@ class DecoderLayer(nn.Module):
 # %% ../nbs/07_models.ipynb #5063a862
 class DecoderModel(nn.Module):
     "Token embedding, the decoder layers and the final norm."
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, comm: Communicator):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm=comm)
+        self.layers = nn.ModuleList([DecoderLayer(config, comm) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_cache, metadata):
@@ -107,11 +105,15 @@ class CausalLM(nn.Module):
     packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, comm: Communicator | None = None):
         super().__init__()
-        self.config = config
-        self.model = DecoderModel(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        comm = comm if comm is not None else Communicator()
+        if comm.world_size != config.tensor_parallel_size:
+            raise ValueError(f"the config was checked for tensor_parallel_size={config.tensor_parallel_size} but the "
+                             f"communicator is a group of {comm.world_size}: read the config with that size")
+        self.config, self.comm = config, comm
+        self.model = DecoderModel(config, comm)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, comm=comm)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -123,6 +125,10 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         "Full-vocabulary logits on rank 0 (None on other ranks)."
         return self.lm_head(hidden_states)
+
+    def greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        "The most likely next token of each row, on rank 0 (None on other ranks)."
+        return self.lm_head.greedy_tokens(hidden_states)
 
 # %% ../nbs/07_models.ipynb #b496581b
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -208,15 +214,17 @@ class _construction_defaults:
         self.device_ctx.__exit__(*exc)
         torch.set_default_dtype(self.old_dtype)
 
-def build_model(config: Config, device: torch.device | str = "cpu") -> CausalLM:
-    "An uninitialised `CausalLM` for `config` (this rank's shards), in `config.dtype` on `device`."
+def build_model(config: Config, device: torch.device | str = "cpu", comm: Communicator | None = None) -> CausalLM:
+    "An uninitialised `CausalLM` for `config` (this rank's shards, by `comm`), in `config.dtype` on `device`."
     with _construction_defaults(config.dtype, device):
-        return CausalLM(config)
+        return CausalLM(config, comm)
 
-def load_model(path: str | Path, dtype: str | torch.dtype | None = None, device: torch.device | str = "cpu") -> CausalLM:
-    "Build this rank's shard of the checkpoint at `path` and load its weights (TP size from the process group)."
-    config = Config.from_pretrained(path, tensor_parallel_size=tp_size(), dtype=dtype)
-    model = build_model(config, device)
+def load_model(path: str | Path, dtype: str | torch.dtype | None = None, device: torch.device | str = "cpu",
+               comm: Communicator | None = None) -> CausalLM:
+    "Build this rank's shard (by `comm`; default: a group of one) of the checkpoint at `path` and load its weights."
+    comm = comm if comm is not None else Communicator()
+    config = Config.from_pretrained(path, tensor_parallel_size=comm.world_size, dtype=dtype)
+    model = build_model(config, device, comm)
     load_checkpoint(model, path)
     return model.eval()
 
@@ -259,9 +267,9 @@ def greedy_generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: i
                                  c.dtype, device)
 
     def pick(hidden):
-        logits = model.compute_logits(hidden)
-        tokens = logits.argmax(-1) if tp_rank() == 0 else torch.zeros(len(hidden), dtype=torch.long, device=device)
-        return all_reduce(tokens)  # every rank needs the tokens it will feed next
+        tokens = model.greedy_tokens(hidden)
+        if tokens is None: tokens = torch.zeros(len(hidden), dtype=torch.long, device=device)
+        return model.comm.broadcast(tokens, src=0)  # every rank needs the tokens it will feed next
 
     ids = torch.tensor(sum(prompts, []), device=device)
     positions = torch.cat([torch.arange(len(p), device=device) for p in prompts])

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from proc_helpers import rank_processes
 
 # subtle: Triton reads this when a kernel is defined (at the first import of minivllm.kv_cache), so it must be set
 # before any test module imports minivllm; on CPU the kernels then run in Triton's interpreter.
@@ -17,7 +18,7 @@ NBS = ROOT / "nbs"
 
 @pytest.fixture(autouse=True)
 def no_leftover_ranks():
-    "Fail a test that leaves a spawned rank process running."
+    "Fail a test that leaves a rank process of its own running."
     yield
-    alive = [p for p in mp.active_children() if p.name.startswith("minivllm-rank")]
+    alive = rank_processes(os.getpid())
     assert not alive, f"rank processes left running: {alive}"

@@ -1,4 +1,5 @@
-"""Helpers for tests that start processes: is a pid gone, wait for a condition, and a child's SIGINT disposition."""
+"""Helpers for tests that start processes: is a pid gone, wait for a condition, a child's SIGINT disposition, and the
+rank processes a process has started."""
 import signal
 import time
 from pathlib import Path
@@ -24,3 +25,17 @@ def wait_until(cond, timeout_s: float) -> bool:
 def default_sigint() -> None:
     "In a child about to exec: let SIGINT interrupt it, even if this test run inherited it ignored (a background job)."
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def rank_processes(parent: int) -> list[int]:
+    "Pids of the live (not zombie) rank processes whose parent is `parent`: children running minivllm's bootstrap."
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z" and b"_rank_process_main" in cmdline:
+            found.append(int(stat.parent.name))
+    return found

@@ -45,12 +45,33 @@ def test_greedy_text_is_the_same_at_every_tp_and_equals_transformers(expected, t
     assert all(isinstance(o.text, str) and o.text for o in outputs)
 
 
-def test_bfloat16_greedy_is_the_same_at_tp_1_and_2():
+def bf16_ulp(x: float) -> float:
+    "The spacing of bfloat16 numbers around `x` (8 significant bits)."
+    return 2.0 ** (torch.tensor(abs(x)).log2().floor().item() - 7)
+
+
+def test_bfloat16_greedy_at_tp_2_follows_tp_1_up_to_a_near_tie():
+    """In bfloat16, TP=2 adds its row-parallel partial sums in another order than TP=1's single matmul, so an
+    activation can differ in its last bit and the argmax can flip where two tokens are tied within bf16's precision
+    (measured: on an AMD EPYC, TP=1's own logits at the step where one prompt parts were 8.6875, 8.6875, 8.625).
+    So: TP=2's greedy tokens equal TP=1's, or they part where TP=1's logits put TP=2's token within two bf16 steps
+    of the best one. A wrong shard or a wrong sum parts at the first token, with a large gap."""
     outs = []
     for tp in (1, 2):
         with LLM(tensor_parallel_size=tp, dtype="bfloat16") as llm:
             outs.append([o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)])
-    assert outs[0] == outs[1]
+            prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    model = load_model(DEFAULT_MODEL, dtype="bfloat16")
+    for prompt, tp1, tp2 in zip(prompt_ids, *outs):
+        if tp1 == tp2:
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(tp1, tp2)) if a != b)
+        ids = prompt + tp1[:i]
+        md = prefill_metadata([[]], [0], [len(ids)], block_size=16)
+        with torch.no_grad():
+            logits = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), None, md))[-1].float()
+        gap = (logits.max() - logits[tp2[i]]).item()
+        assert gap <= 2 * bf16_ulp(logits.max().item()), (PROMPTS, i, tp1[i], tp2[i], gap)
 
 
 def test_model_card_validation_loss_is_reproduced():

@@ -1,4 +1,5 @@
-"""The vocab-parallel embedding and LM head against the unsharded reference, in one process and on 1-4 gloo ranks."""
+"""The vocab-parallel embedding and LM head (its logits and its greedy pick) against the unsharded reference, in one
+process and on 1-4 CPU ranks."""
 from __future__ import annotations
 
 import sys
@@ -9,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.distributed import all_gather, run_on_ranks, tp_rank, tp_size
+from minivllm.distributed import Communicator, run_on_ranks
+from minivllm.shm_allreduce import ShmCommunicator
 from minivllm.layers.embed_head import (ParallelLMHead, VocabParallelEmbedding, check_token_ids, pad_vocab_size,
                                         vocab_range)
 
@@ -53,32 +55,33 @@ def load(model, checkpoint):
     for name, tensor in checkpoint.items(): params[name].weight_loader(params[name], tensor)
 
 
-def check_vocab_layers(cases):
+def check_vocab_layers(comm, cases):
     "On every rank, check each `(V, H)` case against F.embedding / F.linear; rank 0 returns what it checked."
-    N, rank, done = tp_size(), tp_rank(), []
+    N, rank, done = comm.world_size, comm.rank, []
     for V, H in cases:
         ids = edge_ids(V, N)
         for dtype in (torch.float32, torch.bfloat16):
             W, b, hidden = reference(V, H, dtype)
-            emb = VocabParallelEmbedding(V, H, params_dtype=dtype)
+            emb = VocabParallelEmbedding(V, H, params_dtype=dtype, comm=comm)
             load(emb, {"weight": W})
             assert emb.weight.dtype == dtype
             # every rank agrees on the split, and the ranges tile [0, V) in rank order
-            ranges = all_gather(torch.tensor([emb.vocab_start_idx, emb.vocab_end_idx]), dim=0).view(N, 2).tolist()
+            ranges = comm.all_gather(torch.tensor([emb.vocab_start_idx, emb.vocab_end_idx]), dim=0).view(N, 2).tolist()
             assert ranges == [list(vocab_range(V, r, N)) for r in range(N)]
             assert ranges[0][0] == 0 and ranges[-1][1] == V
             assert all(ranges[r][1] == ranges[r + 1][0] for r in range(N - 1))
             torch.testing.assert_close(emb(ids), F.embedding(ids, W), **EXACT)
             for bias in (False, True):
-                head = ParallelLMHead(V, H, bias=bias, params_dtype=dtype)
+                head = ParallelLMHead(V, H, bias=bias, params_dtype=dtype, comm=comm)
                 load(head, {"weight": W, "bias": b} if bias else {"weight": W})
-                logits = head(hidden)
+                logits, greedy = head(hidden), head.greedy_tokens(hidden)
                 if rank == 0:
                     torch.testing.assert_close(logits, F.linear(hidden, W, b if bias else None), **HEAD_TOL[dtype])
+                    assert torch.equal(greedy, logits.argmax(-1))  # the gathered pairs pick what argmax picks
                 else:
-                    assert logits is None, f"rank {rank} got logits"
+                    assert logits is None and greedy is None, f"rank {rank} got logits"
             # tied: a checkpoint with no lm_head.weight fills both layers
-            tied = TinyLM(V, H, tie=True, params_dtype=dtype)
+            tied = TinyLM(V, H, tie=True, params_dtype=dtype, comm=comm)
             assert list(dict(tied.named_parameters())) == ["embed_tokens.weight"]
             load(tied, {"embed_tokens.weight": W})
             torch.testing.assert_close(tied.embed_tokens(ids), F.embedding(ids, W), **EXACT)
@@ -103,12 +106,12 @@ CASES = {
 
 @pytest.mark.parametrize("tp", sorted(CASES))
 def test_matches_unsharded_reference_on_ranks(tp):
-    out = run_on_ranks(check_vocab_layers, tp, CASES[tp], timeout_s=300)
+    out = run_on_ranks(check_vocab_layers, tp, CASES[tp], connect=ShmCommunicator.connect, timeout_s=300)
     assert out["tp_size"] == tp
     assert out["done"] == [(V, H, dt) for V, H in CASES[tp] for dt in ("float32", "bfloat16")]
 
 
-# ---- in one process: every shard built with explicit tp_rank/tp_size, no process group ----
+# ---- in one process: every shard built with a placement Communicator(rank, world_size), no process group ----
 
 @pytest.mark.parametrize("N", [1, 2, 3, 5, 8])
 def test_vocab_split_tiles_the_vocabulary(N):
@@ -124,7 +127,7 @@ def test_vocab_split_tiles_the_vocabulary(N):
 def test_vocab_split_examples():
     assert [vocab_range(1000, r, 3) for r in range(3)] == [(0, 334), (334, 668), (668, 1000)]
     assert [vocab_range(151936, r, 2) for r in range(2)] == [(0, 75968), (75968, 151936)]
-    emb = VocabParallelEmbedding(1000, 8, tp_rank=2, tp_size=3)
+    emb = VocabParallelEmbedding(1000, 8, comm=Communicator(2, 3))
     assert (emb.num_embeddings, emb.num_embeddings_padded, emb.num_embeddings_per_rank) == (1000, 1002, 334)
     assert (emb.vocab_start_idx, emb.vocab_end_idx, tuple(emb.weight.shape)) == (668, 1000, (334, 8))
 
@@ -136,20 +139,20 @@ def test_shards_sum_and_concatenate_to_the_reference(N, V, bias):
     H = 8
     W, b, hidden = reference(V, H, torch.float32)
     ids = edge_ids(V, N)
-    embs = [VocabParallelEmbedding(V, H, tp_rank=r, tp_size=N) for r in range(N)]
-    heads = [ParallelLMHead(V, H, bias=bias, tp_rank=r, tp_size=N) for r in range(N)]
+    embs = [VocabParallelEmbedding(V, H, comm=Communicator(r, N)) for r in range(N)]
+    heads = [ParallelLMHead(V, H, bias=bias, comm=Communicator(r, N)) for r in range(N)]
     for e in embs: load(e, {"weight": W})
     for h in heads: load(h, {"weight": W, "bias": b} if bias else {"weight": W})
-    # without a process group the collectives are identities: each shard returns its own part
-    torch.testing.assert_close(sum(e(ids) for e in embs), F.embedding(ids, W), **EXACT)
-    logits = torch.cat([h(hidden) for h in heads], dim=-1)
+    # each shard's local part; the collectives would add and concatenate them
+    torch.testing.assert_close(sum(e.embed_local(ids) for e in embs), F.embedding(ids, W), **EXACT)
+    logits = torch.cat([h.local_logits(hidden) for h in heads], dim=-1)
     assert logits.shape[-1] == pad_vocab_size(V, N)
     torch.testing.assert_close(logits[..., :V], F.linear(hidden, W, b if bias else None), **HEAD_TOL[torch.float32])
     torch.testing.assert_close(logits[..., V:], torch.zeros(2, 3, pad_vocab_size(V, N) - V))  # zeroed padding
 
 
 def test_padding_rows_are_zeroed_over_garbage():
-    emb = VocabParallelEmbedding(1000, 4, tp_rank=2, tp_size=3)
+    emb = VocabParallelEmbedding(1000, 4, comm=Communicator(2, 3))
     emb.weight.data.fill_(float("nan"))
     W = torch.randn(1000, 4)
     load(emb, {"weight": W})
@@ -160,11 +163,11 @@ def test_padding_rows_are_zeroed_over_garbage():
 def test_tied_checkpoint_fills_both_layers_in_every_shard():
     V, H, N = 1000, 8, 3
     W, _, hidden = reference(V, H, torch.float32)
-    models = [TinyLM(V, H, tie=True, tp_rank=r, tp_size=N) for r in range(N)]
+    models = [TinyLM(V, H, tie=True, comm=Communicator(r, N)) for r in range(N)]
     for m in models:
         assert m.lm_head.weight is m.embed_tokens.weight
         load(m, {"embed_tokens.weight": W})
-    logits = torch.cat([m.lm_head(hidden) for m in models], dim=-1)[..., :V]
+    logits = torch.cat([m.lm_head.local_logits(hidden) for m in models], dim=-1)[..., :V]
     torch.testing.assert_close(logits, hidden @ W.T, **HEAD_TOL[torch.float32])
 
 
@@ -182,7 +185,7 @@ def test_params_dtype_and_loader_conversion():
 
 @pytest.mark.parametrize("shape", [(999, 8), (1001, 8), (1000, 9), (1000,), (334, 8)])
 def test_wrong_checkpoint_shape_names_both_shapes(shape):
-    emb = VocabParallelEmbedding(1000, 8, tp_rank=1, tp_size=3)
+    emb = VocabParallelEmbedding(1000, 8, comm=Communicator(1, 3))
     with pytest.raises(ValueError) as e:
         emb.weight.weight_loader(emb.weight, torch.zeros(shape))
     msg = str(e.value)
@@ -190,7 +193,7 @@ def test_wrong_checkpoint_shape_names_both_shapes(shape):
 
 
 def test_wrong_bias_shape_names_the_head():
-    head = ParallelLMHead(1000, 8, bias=True, tp_rank=0, tp_size=2)
+    head = ParallelLMHead(1000, 8, bias=True, comm=Communicator(0, 2))
     with pytest.raises(ValueError, match=r"ParallelLMHead: checkpoint tensor has shape \(999,\), expected \(1000,\)"):
         head.bias.weight_loader(head.bias, torch.zeros(999))
 
@@ -200,9 +203,9 @@ def test_wrong_bias_shape_names_the_head():
 def test_out_of_range_ids_raise_on_every_shard(N, bad):
     # 1001 is past the vocabulary but inside the padded table at N=3: it must not read a padding row
     for r in range(N):
-        emb = VocabParallelEmbedding(1000, 4, tp_rank=r, tp_size=N)
+        emb = VocabParallelEmbedding(1000, 4, comm=Communicator(r, N))
         with pytest.raises(ValueError, match=f"token id {bad} is out of range for a vocabulary of 1000"):
-            emb(torch.tensor([[0, 999], [bad, 5]]))
+            emb.embed_local(torch.tensor([[0, 999], [bad, 5]]))
 
 
 def test_check_token_ids():
@@ -215,12 +218,10 @@ def test_check_token_ids():
     assert VocabParallelEmbedding(10, 4)(torch.empty(0, dtype=torch.long)).shape == (0, 4)
 
 
-@pytest.mark.parametrize("kw, msg", [(dict(tp_rank=3, tp_size=3), "tp_rank=3 is outside 0..2"),
-                                     (dict(tp_rank=-1, tp_size=2), "tp_rank=-1 is outside 0..1"),
-                                     (dict(tp_rank=0, tp_size=0), "tp_size must be positive")])
-def test_bad_tp_arguments(kw, msg):
-    with pytest.raises(ValueError, match=msg):
-        VocabParallelEmbedding(1000, 8, **kw)
+@pytest.mark.parametrize("rank, size", [(3, 3), (-1, 2), (0, 0)])
+def test_bad_tp_arguments(rank, size):
+    with pytest.raises(ValueError, match=f"rank={rank} is not a rank of a group of world_size={size}"):
+        VocabParallelEmbedding(1000, 8, comm=Communicator(rank, size))
 
 
 def test_bad_vocab_size():
@@ -231,7 +232,33 @@ def test_bad_vocab_size():
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_int32_and_int64_ids(dtype):
     W = torch.randn(1000, 4)
-    embs = [VocabParallelEmbedding(1000, 4, tp_rank=r, tp_size=3) for r in range(3)]
+    embs = [VocabParallelEmbedding(1000, 4, comm=Communicator(r, 3)) for r in range(3)]
     for e in embs: load(e, {"weight": W})
     ids = torch.tensor([0, 333, 334, 999], dtype=dtype)
-    torch.testing.assert_close(sum(e(ids) for e in embs), W[ids.long()], **EXACT)
+    torch.testing.assert_close(sum(e.embed_local(ids) for e in embs), W[ids.long()], **EXACT)
+
+
+@pytest.mark.parametrize("N", [1, 2, 3, 4])
+def test_greedy_pairs_pick_the_first_of_tied_maxima(N):
+    "Logits with exact ties across ranks: the (logit, id) pairs that greedy_tokens gathers pick the lowest id."
+    V, H = 12, 4
+    W = torch.zeros(V, H)
+    W[[2, 7, 11], 0] = 5.0  # three ids tie for the best logit, on different ranks at N > 1
+    W[5, 1] = 9.0           # ... unless the hidden state points the other way
+    heads = [ParallelLMHead(V, H, comm=CountingGather(r, N)) for r in range(N)]
+    for h in heads: load(h, {"weight": W})
+    hidden = torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0], [0, 0, 0, 0]])
+    sent = [h.greedy_tokens(hidden) for h in heads]  # each shard's gather records what it sends
+    if N == 1:
+        picked = sent[0]
+    else:
+        pairs = torch.cat([h.comm.sent for h in heads], dim=0)
+        picked = pairs[..., 1].gather(0, pairs[..., 0].argmax(0, keepdim=True)).squeeze(0).long()
+    assert picked.tolist() == F.linear(hidden, W).argmax(-1).tolist() == [2, 5, 0]
+
+
+class CountingGather(Communicator):
+    "A placement whose gather keeps what this rank would send and returns nothing (as on a rank that is not dst)."
+    def gather(self, x, dim=-1, dst=0):
+        self.sent = x
+        return None

@@ -1,5 +1,6 @@
 """Equivalence tests of `minivllm.layers.linear` against plain `F.linear` on the full weights, at TP = 1, 2 and 4
-on CPU gloo; GQA head splits; the bias added once; error messages; two TP groups at once on one machine."""
+on CPU ranks (the shared-memory communicator, gloo for what does not fit); GQA head splits; the bias added once;
+error messages; two TP groups at once on one machine."""
 from __future__ import annotations
 
 import functools
@@ -13,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minivllm.distributed import all_gather, all_reduce, run_on_ranks, tp_rank, tp_size
+from minivllm.distributed import Communicator, run_on_ranks
+from minivllm.shm_allreduce import ShmCommunicator
 from minivllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                     ReplicatedLinear, RowParallelLinear, heads_per_rank)
 
@@ -51,61 +53,53 @@ def load(layer, weight, bias=None, shard_id=None):
 
 # ---------------------------------------------------------------- what every rank runs
 
-def stack_ranks(t):
+def stack_ranks(comm, t):
     "Every rank's `t`, stacked along a new first dim (rank r at index r)."
-    return all_gather(t.unsqueeze(0).contiguous(), dim=0)
+    return comm.all_gather(t.unsqueeze(0).contiguous(), dim=0)
 
 
-def rank_layers(x, W, b, W2, b2, Wg, Wu, bg, bu, Wd, bd):
-    "All the linear layers on this rank, from the process group's rank and size; every rank's outputs, stacked."
-    n, r, bias, dt = tp_size(), tp_rank(), b is not None, W.dtype
+def rank_layers(comm, x, W, b, W2, b2, Wg, Wu, bg, bu, Wd, bd):
+    "All the linear layers on this rank, built with its communicator; every rank's outputs, stacked."
+    n, r, bias, dt = comm.world_size, comm.rank, b is not None, W.dtype
+    kw = dict(params_dtype=dt, comm=comm)
     x_r = x.chunk(n, dim=-1)[r]  # this rank's input features, for the row layers fed with `x`
-    rep = load(ReplicatedLinear(IN, OUT, bias, params_dtype=dt), W, b)
-    col = load(ColumnParallelLinear(IN, OUT, bias, params_dtype=dt), W, b)
-    col_gathered = load(ColumnParallelLinear(IN, OUT, bias, gather_output=True, params_dtype=dt), W, b)
-    row = load(RowParallelLinear(IN, OUT, bias, params_dtype=dt), W, b)
-    row_partial = load(RowParallelLinear(IN, OUT, bias, reduce_results=False, params_dtype=dt), W, b)
-    row2 = load(RowParallelLinear(OUT, IN, bias, params_dtype=dt), W2, b2)
-    gate_up = MergedColumnParallelLinear(IN, [MID, MID], bias, params_dtype=dt)
+    rep = load(ReplicatedLinear(IN, OUT, bias, **kw), W, b)
+    col = load(ColumnParallelLinear(IN, OUT, bias, **kw), W, b)
+    col_gathered = load(ColumnParallelLinear(IN, OUT, bias, gather_output=True, **kw), W, b)
+    row = load(RowParallelLinear(IN, OUT, bias, **kw), W, b)
+    row_partial = load(RowParallelLinear(IN, OUT, bias, reduce_results=False, **kw), W, b)
+    row2 = load(RowParallelLinear(OUT, IN, bias, **kw), W2, b2)
+    gate_up = MergedColumnParallelLinear(IN, [MID, MID], bias, **kw)
     load(gate_up, Wg, bg, shard_id=0)
     load(gate_up, Wu, bu, shard_id=1)
-    down = load(RowParallelLinear(MID, IN, bias, params_dtype=dt), Wd, bd)
+    down = load(RowParallelLinear(MID, IN, bias, **kw), Wd, bd)
     gate, up = gate_up(x).chunk(2, dim=-1)
-    return dict(replicated=stack_ranks(rep(x)), column=stack_ranks(col(x)),
-                column_gathered=stack_ranks(col_gathered(x)), row=stack_ranks(row(x_r)),
-                row_partial=stack_ranks(row_partial(x_r)), column_row=stack_ranks(row2(F.silu(col(x)))),
-                gate_up=stack_ranks(gate_up(x)), mlp=stack_ranks(down(F.silu(gate) * up)))
+    s = lambda t: stack_ranks(comm, t)
+    return dict(replicated=s(rep(x)), column=s(col(x)), column_gathered=s(col_gathered(x)), row=s(row(x_r)),
+                row_partial=s(row_partial(x_r)), column_row=s(row2(F.silu(col(x)))),
+                gate_up=s(gate_up(x)), mlp=s(down(F.silu(gate) * up)))
 
 
-def rank_qkv(x, Wq, Wk, Wv, bq, bk, bv, nq, nkv):
+def rank_qkv(comm, x, Wq, Wk, Wv, bq, bk, bv, nq, nkv):
     "A QKV layer on this rank; every rank's q, k, v and the global head ids it holds."
-    qkv = QKVParallelLinear(HIDDEN, HEAD, nq, nkv, bias=bq is not None, params_dtype=Wq.dtype)
+    qkv = QKVParallelLinear(HIDDEN, HEAD, nq, nkv, bias=bq is not None, params_dtype=Wq.dtype, comm=comm)
     for sid, w, b in zip("qkv", (Wq, Wk, Wv), (bq, bk, bv)):
         load(qkv, w, b, shard_id=sid)
     q, k, v = qkv(x).split([qkv.q_size, qkv.kv_size, qkv.kv_size], dim=-1)
-    return dict(q=stack_ranks(q), k=stack_ranks(k), v=stack_ranks(v),
-                q_heads=stack_ranks(torch.tensor(list(qkv.q_head_ids))),
-                kv_heads=stack_ranks(torch.tensor(list(qkv.kv_head_ids))))
+    s = lambda t: stack_ranks(comm, t)
+    return dict(q=s(q), k=s(k), v=s(v), q_heads=s(torch.tensor(list(qkv.q_head_ids))),
+                kv_heads=s(torch.tensor(list(qkv.kv_head_ids))))
 
 
-def rank_bias_once():
+def rank_bias_once(comm):
     "A row-parallel layer with zero weight: its output is its bias, once, whatever the TP size."
-    row = load(RowParallelLinear(IN, OUT, bias=True), torch.zeros(OUT, IN), torch.arange(1.0, OUT + 1))
-    return stack_ranks(row(torch.ones(2, IN // tp_size())))
+    row = load(RowParallelLinear(IN, OUT, bias=True, comm=comm), torch.zeros(OUT, IN), torch.arange(1.0, OUT + 1))
+    return stack_ranks(comm, row(torch.ones(2, IN // comm.world_size)))
 
 
-def rank_foreign_shard():
-    "Asking for another rank's shard inside a process group must be refused."
-    try:
-        ColumnParallelLinear(IN, OUT, tp_rank=0, tp_size=tp_size() * 2)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def run_cases(cases):
+def run_cases(comm, cases):
     "Run every `(fn, kwargs)` of `cases` on this rank; one launch for all of them."
-    return {name: fn(**kwargs) for name, (fn, kwargs) in cases.items()}
+    return {name: fn(comm, **kwargs) for name, (fn, kwargs) in cases.items()}
 
 
 # ---------------------------------------------------------------- inputs, launches and references (parent)
@@ -135,8 +129,8 @@ def results(tp):
     "Launch `tp` ranks once, run every case on them; returns `{case: (inputs, rank outputs)}`."
     cases = {("layers", dtype, bias): (rank_layers, layer_inputs(dtype, bias)) for dtype in DTYPES for bias in (False, True)}
     cases |= {("qkv",) + c: (rank_qkv, qkv_inputs(*c)) for c in QKV_CASES}
-    cases |= {("bias_once",): (rank_bias_once, {}), ("foreign_shard",): (rank_foreign_shard, {})}
-    outs = run_on_ranks(run_cases, tp, cases, timeout_s=300)
+    cases |= {("bias_once",): (rank_bias_once, {})}
+    outs = run_on_ranks(run_cases, tp, cases, connect=ShmCommunicator.connect, timeout_s=300)
     return {name: (kwargs, outs[name]) for name, (_, kwargs) in cases.items()}
 
 
@@ -212,10 +206,14 @@ def test_row_parallel_adds_bias_exactly_once(tp):
         torch.testing.assert_close(out[r], bias.expand(2, OUT), atol=0, rtol=0)
 
 
-@params("tp", [2, 4], ids=lambda n: f"tp{n}")
-def test_foreign_shard_refused_inside_a_group(tp):
-    _, msg = results(tp)[("foreign_shard",)]
-    assert msg is not None and f"tensor-parallel group of {tp}" in msg and f"rank 0 of {2 * tp}" in msg
+def test_a_placed_shard_refuses_to_reduce():
+    "A shard built with a placement (no process group) computes locally, and refuses the collective it cannot do."
+    row = load(RowParallelLinear(IN, OUT, comm=Communicator(1, 2)), rand(OUT, IN, seed=0))
+    with pytest.raises(RuntimeError, match="places a shard as rank 1 of 2 but has no process group"):
+        row(torch.ones(2, IN // 2))
+    col = load(ColumnParallelLinear(IN, OUT, gather_output=True, comm=Communicator(1, 2)), rand(OUT, IN, seed=0))
+    with pytest.raises(RuntimeError, match="has no process group"):
+        col(torch.ones(2, IN))
 
 
 def expected_heads(nq, nkv, tp, r):
@@ -262,7 +260,7 @@ def test_qkv_rank_outputs_are_head_slices(tp, nq, nkv, dtype, bias):
 @params("tp", TPS)
 def test_shard_shapes_dtypes_and_loaders(tp):
     for r in range(tp):
-        kw = dict(tp_rank=r, tp_size=tp, params_dtype=torch.bfloat16)
+        kw = dict(comm=Communicator(r, tp), params_dtype=torch.bfloat16)
         layers = {ReplicatedLinear(IN, OUT, True, **kw): (OUT, IN),
                   ColumnParallelLinear(IN, OUT, True, **kw): (OUT // tp, IN),
                   RowParallelLinear(IN, OUT, True, **kw): (OUT, IN // tp),
@@ -281,7 +279,7 @@ def test_merged_unequal_parts_each_rank(tp):
     sizes, x = [16, 32, 8], rand(3, IN, seed=30)
     Ws, bs = [rand(n, IN, seed=31 + i) for i, n in enumerate(sizes)], [rand(n, seed=41 + i) for i, n in enumerate(sizes)]
     for r in range(tp):
-        layer = MergedColumnParallelLinear(IN, sizes, bias=True, tp_rank=r, tp_size=tp)
+        layer = MergedColumnParallelLinear(IN, sizes, bias=True, comm=Communicator(r, tp))
         for i, (W, b) in enumerate(zip(Ws, bs)):
             load(layer, W, b, shard_id=i)
         want = torch.cat([rank_slice(ref_linear(x, W, b), r, tp) for W, b in zip(Ws, bs)], dim=-1)
@@ -296,7 +294,7 @@ def test_default_dtype_and_no_bias():
 
 def test_loader_casts_checkpoint_dtype():
     W = rand(OUT, IN, seed=0)
-    layer = load(RowParallelLinear(IN, OUT, tp_rank=1, tp_size=2, params_dtype=torch.bfloat16), W)
+    layer = load(RowParallelLinear(IN, OUT, comm=Communicator(1, 2), params_dtype=torch.bfloat16), W)
     assert torch.equal(layer.weight, W[:, IN // 2:].to(torch.bfloat16))
 
 
@@ -304,14 +302,14 @@ def test_loader_casts_checkpoint_dtype():
                                 (32, 8, 16, (2, 1, 2)), (4, 2, 2, (2, 1, 1)), (4, 2, 4, (1, 1, 2)),
                                 (8, 1, 4, (2, 1, 4)), (16, 16, 4, (4, 4, 1))])
 def test_qkv_sizes(nq, nkv, tp, expected):
-    layer = QKVParallelLinear(HIDDEN, HEAD, nq, nkv, tp_rank=tp - 1, tp_size=tp)
+    layer = QKVParallelLinear(HIDDEN, HEAD, nq, nkv, comm=Communicator(tp - 1, tp))
     assert (layer.num_heads, layer.num_kv_heads, layer.num_kv_head_replicas) == expected
     assert (layer.q_size, layer.kv_size) == (expected[0] * HEAD, expected[1] * HEAD)
     assert heads_per_rank(nq, nkv, tp) == expected
 
 
 def test_qkv_default_kv_heads_is_multi_head_attention():
-    layer = QKVParallelLinear(HIDDEN, HEAD, 8, tp_rank=1, tp_size=2)
+    layer = QKVParallelLinear(HIDDEN, HEAD, 8, comm=Communicator(1, 2))
     assert (layer.total_num_kv_heads, layer.num_kv_heads, list(layer.kv_head_ids)) == (8, 4, [4, 5, 6, 7])
 
 
@@ -327,7 +325,7 @@ def test_every_valid_gqa_split_keeps_attention_local():
                 except ValueError:
                     assert nq % tp or (nkv % tp and tp % nkv)
                     continue
-                layers = [QKVParallelLinear(8, 2, nq, nkv, tp_rank=r, tp_size=tp) for r in range(tp)]
+                layers = [QKVParallelLinear(8, 2, nq, nkv, comm=Communicator(r, tp)) for r in range(tp)]
                 assert [h for l in layers for h in l.q_head_ids] == list(range(nq))
                 for l in layers:
                     assert sorted({h // group for h in l.q_head_ids}) == list(l.kv_head_ids)
@@ -350,15 +348,15 @@ def test_every_valid_gqa_split_keeps_attention_local():
 ])
 def test_qkv_heads_that_do_not_split(nq, nkv, tp, match):
     with pytest.raises(ValueError, match=match):
-        QKVParallelLinear(HIDDEN, HEAD, nq, nkv, tp_size=tp)
+        QKVParallelLinear(HIDDEN, HEAD, nq, nkv, comm=Communicator(0, tp))
 
 
 @params("make,match", [
-    (lambda: ColumnParallelLinear(IN, 6, tp_size=4), r"ColumnParallelLinear output_size=6 is not divisible by 4"),
-    (lambda: RowParallelLinear(14, OUT, tp_size=4), r"RowParallelLinear input_size=14 is not divisible by 4"),
-    (lambda: MergedColumnParallelLinear(IN, [6, 10], tp_size=4), r"output_sizes\[0\]=6 is not divisible by 4"),
-    (lambda: ColumnParallelLinear(IN, OUT, tp_rank=2, tp_size=2), r"tp_rank=2 is not a rank of a group of tp_size=2"),
-    (lambda: RowParallelLinear(IN, OUT, tp_size=0), r"tp_rank=0 is not a rank of a group of tp_size=0"),
+    (lambda: ColumnParallelLinear(IN, 6, comm=Communicator(0, 4)), r"ColumnParallelLinear output_size=6 is not divisible by 4"),
+    (lambda: RowParallelLinear(14, OUT, comm=Communicator(0, 4)), r"RowParallelLinear input_size=14 is not divisible by 4"),
+    (lambda: MergedColumnParallelLinear(IN, [6, 10], comm=Communicator(0, 4)), r"output_sizes\[0\]=6 is not divisible by 4"),
+    (lambda: ColumnParallelLinear(IN, OUT, comm=Communicator(2, 2)), r"rank=2 is not a rank of a group of world_size=2"),
+    (lambda: RowParallelLinear(IN, OUT, comm=Communicator(0, 0)), r"rank=0 is not a rank of a group of world_size=0"),
 ], ids=["column", "row", "merged", "rank", "size"])
 def test_sizes_that_do_not_split(make, match):
     with pytest.raises(ValueError, match=match):
@@ -367,14 +365,14 @@ def test_sizes_that_do_not_split(make, match):
 
 @params("shard_id", [2, -1, "gate", None])
 def test_merged_bad_shard_id(shard_id):
-    layer = MergedColumnParallelLinear(IN, [MID, MID], tp_rank=0, tp_size=2)
+    layer = MergedColumnParallelLinear(IN, [MID, MID], comm=Communicator(0, 2))
     with pytest.raises(ValueError, match=r"shard_id=.* does not exist; valid ids are \[0, 1\]"):
         layer.weight.weight_loader(layer.weight, torch.zeros(MID, IN), shard_id)
 
 
 @params("shard_id", ["o", "Q", 0])
 def test_qkv_bad_shard_id(shard_id):
-    layer = QKVParallelLinear(HIDDEN, HEAD, 4, 2, tp_rank=0, tp_size=2)
+    layer = QKVParallelLinear(HIDDEN, HEAD, 4, 2, comm=Communicator(0, 2))
     with pytest.raises(ValueError, match=r"shard_id=.* does not exist; valid ids are 'q', 'k', 'v'"):
         layer.weight.weight_loader(layer.weight, torch.zeros(4 * HEAD, HIDDEN), shard_id)
 
@@ -382,13 +380,13 @@ def test_qkv_bad_shard_id(shard_id):
 @params("make,tensor,shard_id,match", [
     (lambda: ReplicatedLinear(IN, OUT), torch.zeros(IN, OUT), None,
      r"ReplicatedLinear weight: expected the full checkpoint tensor of shape \(48, 32\), got \(32, 48\)"),
-    (lambda: ColumnParallelLinear(IN, OUT, tp_rank=1, tp_size=2), torch.zeros(OUT // 2, IN), None,
+    (lambda: ColumnParallelLinear(IN, OUT, comm=Communicator(1, 2)), torch.zeros(OUT // 2, IN), None,
      r"ColumnParallelLinear weight: expected .* \(48, 32\), got \(24, 32\)"),
-    (lambda: RowParallelLinear(IN, OUT, tp_rank=1, tp_size=2), torch.zeros(OUT, IN // 2), None,
+    (lambda: RowParallelLinear(IN, OUT, comm=Communicator(1, 2)), torch.zeros(OUT, IN // 2), None,
      r"RowParallelLinear weight: expected .* \(48, 32\), got \(48, 16\)"),
-    (lambda: MergedColumnParallelLinear(IN, [MID, 2 * MID], tp_rank=0, tp_size=2), torch.zeros(MID, IN), 1,
+    (lambda: MergedColumnParallelLinear(IN, [MID, 2 * MID], comm=Communicator(0, 2)), torch.zeros(MID, IN), 1,
      r"MergedColumnParallelLinear weight shard 1: expected .* \(128, 32\), got \(64, 32\)"),
-    (lambda: QKVParallelLinear(HIDDEN, HEAD, 4, 2, tp_rank=0, tp_size=2), torch.zeros(4 * HEAD, HIDDEN), "k",
+    (lambda: QKVParallelLinear(HIDDEN, HEAD, 4, 2, comm=Communicator(0, 2)), torch.zeros(4 * HEAD, HIDDEN), "k",
      r"QKVParallelLinear weight shard 'k': expected .* \(8, 32\), got \(16, 32\)"),
 ], ids=["replicated", "column", "row", "merged", "qkv"])
 def test_wrong_checkpoint_shape(make, tensor, shard_id, match):
@@ -398,24 +396,24 @@ def test_wrong_checkpoint_shape(make, tensor, shard_id, match):
 
 
 def test_wrong_bias_shape():
-    layer = RowParallelLinear(IN, OUT, bias=True, tp_rank=0, tp_size=2)
+    layer = RowParallelLinear(IN, OUT, bias=True, comm=Communicator(0, 2))
     with pytest.raises(ValueError, match=r"RowParallelLinear bias: expected .* \(48,\), got \(24,\)"):
         layer.bias.weight_loader(layer.bias, torch.zeros(OUT // 2))
 
 
 # ---------------------------------------------------------------- two TP groups on one machine
 
-def meet(folder, me, other):
+def meet(comm, folder, me, other):
     "Run in TP group `me`; rank 0 waits until group `other` is also running, so both groups are alive at once."
-    x = all_reduce(torch.ones(1))
-    if tp_rank() == 0:
+    x = comm.all_reduce(torch.ones(1))
+    if comm.rank == 0:
         Path(folder, me).touch()
         deadline = time.monotonic() + 120
         while not Path(folder, other).exists():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"TP group {other} never ran while group {me} was running")
             time.sleep(0.05)
-    return all_reduce(x).item()
+    return comm.all_reduce(x).item()
 
 
 def test_two_tp_groups_at_once(tmp_path):
@@ -423,7 +421,7 @@ def test_two_tp_groups_at_once(tmp_path):
 
     def launch(me, other):
         try:
-            got[me] = run_on_ranks(meet, 2, str(tmp_path), me, other, timeout_s=180)
+            got[me] = run_on_ranks(meet, 2, str(tmp_path), me, other, connect=ShmCommunicator.connect, timeout_s=180)
         except BaseException as e:  # report it from the main thread
             errors.append(e)
 

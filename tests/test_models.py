@@ -8,7 +8,8 @@ import pytest
 import torch
 import transformers
 
-from minivllm.distributed import run_on_ranks
+from minivllm.distributed import Communicator, run_on_ranks
+from minivllm.shm_allreduce import ShmCommunicator
 from minivllm.kv_cache import allocate_kv_cache, prefill_metadata
 from minivllm.models import greedy_generate, load_model, make_tiny_checkpoint
 
@@ -51,9 +52,9 @@ def prefill_logits(model, prompts):
         return model.compute_logits(model(ids, positions, None, md))
 
 
-def all_prefill_logits(paths, dtypes):
+def all_prefill_logits(comm, paths, dtypes):
     "Our prefill logits for every checkpoint and dtype, computed on this rank."
-    return {(name, str(dt)): prefill_logits(load_model(path, dtype=dt), PREFILL_PROMPTS)
+    return {(name, str(dt)): prefill_logits(load_model(path, dtype=dt, comm=comm), PREFILL_PROMPTS)
             for name, path in paths.items() for dt in dtypes}
 
 
@@ -72,7 +73,8 @@ def hf_logits(checkpoints):
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_prefill_logits_match_transformers(checkpoints, hf_logits, tp):
     dtypes = (torch.float32, torch.bfloat16)
-    ours = all_prefill_logits(checkpoints, dtypes) if tp == 1 else run_on_ranks(all_prefill_logits, tp, checkpoints, dtypes)
+    ours = (all_prefill_logits(Communicator(), checkpoints, dtypes) if tp == 1 else
+            run_on_ranks(all_prefill_logits, tp, checkpoints, dtypes, connect=ShmCommunicator.connect))
     for name in checkpoints:
         theirs = hf_logits[(name, "torch.float32")]
         scale = theirs.abs().max()
@@ -90,15 +92,16 @@ def hf_greedy(path, prompts, n):
                         pad_token_id=0)[0, len(p):].tolist() for p in prompts]
 
 
-def generate_all(paths, block_sizes, n):
-    return {(name, bs): greedy_generate(load_model(path), PROMPTS, n, block_size=bs)
+def generate_all(comm, paths, block_sizes, n):
+    return {(name, bs): greedy_generate(load_model(path, comm=comm), PROMPTS, n, block_size=bs)
             for name, path in paths.items() for bs in block_sizes}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_greedy_decode_through_paged_cache_matches_generate(checkpoints, tp):
     paths = {k: checkpoints[k] for k in ("qwen3", "qwen2-tied", "llama-tied")}
-    ours = generate_all(paths, (16, 256), 32) if tp == 1 else run_on_ranks(generate_all, tp, paths, (16, 256), 32)
+    ours = (generate_all(Communicator(), paths, (16, 256), 32) if tp == 1 else
+            run_on_ranks(generate_all, tp, paths, (16, 256), 32, connect=ShmCommunicator.connect))
     for name, path in paths.items():
         expected = hf_greedy(path, PROMPTS, 32)
         for bs in (16, 256):
@@ -142,6 +145,14 @@ def test_bad_checkpoints(checkpoints, tmp_path):
         load_model(tmp_path / "missing")
 
 
+def load_on_rank(comm, path):
+    return load_model(path, comm=comm)
+
+
 def test_tp_that_does_not_divide_the_heads(checkpoints):
     with pytest.raises(Exception, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
-        run_on_ranks(load_model, 3, checkpoints["qwen3"])
+        run_on_ranks(load_on_rank, 3, checkpoints["qwen3"])
+    with pytest.raises(ValueError, match="checked for tensor_parallel_size=1 but the communicator is a group of 2"):
+        from minivllm.models import build_model
+        from minivllm.config import Config
+        build_model(Config.from_pretrained(checkpoints["qwen3"]), comm=Communicator(0, 2))

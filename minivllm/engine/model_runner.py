@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-import torch
-import torch.distributed as dist
+import socket
 
-from ..config import Config, parse_dtype
-from ..distributed import destroy_distributed, init_distributed, tp_rank
+import torch
+
+from ..config import Config
+from ..shm_allreduce import make_communicator
 from .scheduler import ScheduledBatch, _is_int
 from ..kv_cache import allocate_kv_cache, decode_metadata, kv_cache_bytes_per_block, prefill_metadata
-from ..layers.common import Sampler
+from ..layers.common import GREEDY_TEMPERATURE, Sampler
 from ..models import build_model, load_checkpoint
 
 # %% auto #0
@@ -93,12 +94,14 @@ class StepInputs:
     num_computed_tokens: list[int]  # per sequence: tokens already in the KV cache
     num_new_tokens: list[int]  # per sequence: tokens computed now (1 in decode)
     block_tables: list[list[int]]  # per sequence: its KV-cache blocks
+    greedy: bool = False  # every sequence is greedy: rank 0 needs each row's argmax, not its logits
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> StepInputs:
         "The inputs of a scheduled batch (read before `Scheduler.postprocess` changes its sequences)."
+        greedy = all(s.sampling_params.temperature < GREEDY_TEMPERATURE for s in batch.seqs)
         return cls(batch.is_prefill, batch.input_ids, list(batch.num_computed_tokens), list(batch.num_new_tokens),
-                   [list(t) for t in batch.block_tables])
+                   [list(t) for t in batch.block_tables], greedy)
 
     @property
     def positions(self) -> list[int]:
@@ -175,23 +178,39 @@ def blocks_for_budget(budget_bytes: int, bytes_per_block: int, max_useful_blocks
 class ModelRunner:
     "One rank's sharded model, KV-cache shard and (rank 0) sampler; `run` computes a scheduled step."
     def __init__(self, rank: int, args: EngineArgs, port: int | None = None,
-                 peers_alive: Callable[[], None] | None = None):
+                 peers_alive: Callable[[], None] | None = None, listener: socket.socket | None = None):
         self.rank, self.args, self.world_size = rank, args, args.tensor_parallel_size
         self.block_size = args.kvcache_block_size
         self.device = torch.device(f"cuda:{rank}" if args.device == "cuda" else "cpu")
         self._old_threads = torch.get_num_threads()
+        if self.world_size > 1 and port is None and listener is None:
+            raise ValueError("tensor_parallel_size > 1 needs the port of the group's rendezvous")
+        self.config = Config.from_pretrained(args.model, tensor_parallel_size=self.world_size, dtype=args.dtype)
         if args.device == "cpu" and self.world_size > 1:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
-        if self.world_size > 1:
-            if port is None:
-                raise ValueError("tensor_parallel_size > 1 needs the port of the process group's rendezvous")
-            init_distributed(rank, self.world_size, port, timeout_s=args.timeout_s, peers_alive=peers_alive,
-                             backend="nccl" if args.device == "cuda" else "gloo")
-        elif args.device == "cuda":
+        elif args.device == "cuda" and self.world_size == 1:
             torch.cuda.set_device(self.device)
-        self.config = Config.from_pretrained(args.model, tensor_parallel_size=self.world_size, dtype=args.dtype)
+        self.comm = None
+        try:
+            self.comm = make_communicator(rank, self.world_size, port, device=args.device, timeout_s=args.timeout_s,
+                                          peers_alive=peers_alive, slot_bytes=self._slot_bytes(),
+                                          **({"listener": listener} if listener is not None else {}))
+            self._build()
+        except BaseException:
+            self.exit()  # subtle: leave the group and give back the threads, so a failed start leaves nothing behind
+            raise
+
+    def _slot_bytes(self) -> int:
+        "Room per rank in the shared-memory collectives: a decode step's activations or logits slice, 256 KiB-8 MiB."
+        c, a = self.config, self.args
+        largest = a.max_num_seqs * max(c.hidden_size, -(-c.vocab_size // self.world_size)) * 4
+        return min(max(largest, 1 << 18), 8 << 20)
+
+    def _build(self) -> None:
+        "Build and load the model shard, warm up, agree on the KV-cache size, allocate it (and capture graphs)."
+        args, rank = self.args, self.rank
         self.max_model_len = args.max_model_len or min(self.config.max_position_embeddings, 4096)
-        self.model = build_model(self.config, self.device)
+        self.model = build_model(self.config, self.device, self.comm)
         load_checkpoint(self.model, args.model)
         self.model.eval()
         self.sampler = Sampler() if rank == 0 else None
@@ -241,8 +260,7 @@ class ModelRunner:
         "The smallest block count of all ranks (block ids from rank 0's manager must exist on every rank)."
         if self.world_size > 1:
             t = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            num_blocks = int(t.item())
+            num_blocks = int(self.comm.all_reduce(t, op="min").item())
         needed = math.ceil(self.max_model_len / self.block_size)
         if num_blocks < needed:
             where = ("num_kvcache_blocks" if self.args.num_kvcache_blocks is not None else "gpu_memory_utilization"
@@ -252,36 +270,41 @@ class ModelRunner:
                              "or lower max_model_len")
         return num_blocks
 
-    def _forward(self, step: StepInputs, kv_cache: torch.Tensor | None) -> torch.Tensor | None:
-        "Logits `[B, V]` at each sequence's last new token on rank 0 (None on the others)."
+    def _last_hidden(self, step: StepInputs, kv_cache: torch.Tensor | None) -> torch.Tensor:
+        "Final hidden states `[B, hidden]` at each sequence's last new token."
         if (kv_cache is not None and self.graphs is not None and not step.is_prefill
                 and self.graphs.can_run(len(step.input_ids))):  # replay a captured decode graph
-            hidden = self.graphs.run(step.input_ids, step.context_lens, step.block_tables)
-            return self.model.compute_logits(hidden)  # subtle: logits outside the graph, on the real rows only
+            return self.graphs.run(step.input_ids, step.context_lens, step.block_tables)  # the real rows only
         dev = self.device
         input_ids = torch.tensor(step.input_ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(step.positions, dtype=torch.int64, device=dev)
         hidden = self.model(input_ids, positions, kv_cache, step.metadata(self.block_size, dev))
         # subtle: logits only at each sequence's last token; the LM head is the costliest layer for small models.
-        last = torch.tensor(step.last_token_rows, dtype=torch.int64, device=dev)
-        return self.model.compute_logits(hidden[last])
+        return hidden[torch.tensor(step.last_token_rows, dtype=torch.int64, device=dev)]
+
+    def _forward(self, step: StepInputs, kv_cache: torch.Tensor | None) -> torch.Tensor | None:
+        "Logits `[B, V]` at each sequence's last new token on rank 0 (None on the others)."
+        return self.model.compute_logits(self._last_hidden(step, kv_cache))  # subtle: outside any CUDA graph
 
     @torch.no_grad()
     def run(self, step: StepInputs, sampling: SamplingInputs | None = None) -> list[int] | None:
         "Compute one step on this rank; rank 0 returns one sampled token id per sequence, the others None."
+        if self.rank == 0 and sampling is None:
+            raise ValueError("rank 0 needs the step's SamplingInputs to sample")
+        if step.greedy:
+            tokens = self.model.greedy_tokens(self._last_hidden(step, self.kv_cache))
+            return tokens.tolist() if self.rank == 0 else None
         logits = self._forward(step, self.kv_cache)
         if self.rank != 0:
             return None
-        if sampling is None:
-            raise ValueError("rank 0 needs the step's SamplingInputs to sample")
         s = sampling
         return self.sampler(logits, s.temperatures, s.top_ks, s.top_ps, s.seeds, s.steps, self.generator).tolist()
 
     def exit(self) -> None:
-        "Release the KV cache, leave the process group and give back the CPU threads. Idempotent."
+        "Release the KV cache, leave the group and give back the CPU threads. Idempotent."
         self.kv_cache = None
-        if self.world_size > 1:
-            destroy_distributed()
+        if self.comm is not None:
+            self.comm.close()
         torch.set_num_threads(self._old_threads)
 
 # %% ../../nbs/11_model_runner.ipynb #076c8c29

@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import distributed
-from ..distributed import all_reduce, divide, gather_to_rank0
+from ..distributed import Communicator, divide
 
 # %% auto #0
 __all__ = ['pad_vocab_size', 'vocab_range', 'check_token_ids', 'VocabParallelEmbedding', 'ParallelLMHead']
@@ -44,17 +43,17 @@ def check_token_ids(input_ids: torch.Tensor, num_embeddings: int) -> None:
 # %% ../../nbs/04_vocab_embedding.ipynb #f20466e2
 class VocabParallelEmbedding(nn.Module):
     "Token embedding whose vocabulary rows are split into contiguous ranges, one per tensor-parallel rank."
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_rank: int | None = None,
-                 tp_size: int | None = None, params_dtype: torch.dtype | None = None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, comm: Communicator | None = None,
+                 params_dtype: torch.dtype | None = None):
         super().__init__()
-        self.tp_rank = distributed.tp_rank() if tp_rank is None else tp_rank
-        self.tp_size = distributed.tp_size() if tp_size is None else tp_size
+        self.comm = comm if comm is not None else Communicator()  # a group of one
+        self.tp_rank, self.tp_size = self.comm.rank, self.comm.world_size
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.num_embeddings_padded = pad_vocab_size(num_embeddings, self.tp_size)
         self.num_embeddings_per_rank = divide(self.num_embeddings_padded, self.tp_size, "num_embeddings_padded")
         self.vocab_start_idx, self.vocab_end_idx = vocab_range(num_embeddings, self.tp_rank, self.tp_size)
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim,
-                                               dtype=params_dtype or torch.get_default_dtype()))
+                                               dtype=params_dtype or torch.get_default_dtype()), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -69,16 +68,20 @@ class VocabParallelEmbedding(nn.Module):
         # (discarded) logits finite.
         param.data[n:].zero_()
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        "Embeddings `[*input_ids.shape, embedding_dim]` of `input_ids`, the same on every rank."
+    def embed_local(self, input_ids: torch.Tensor) -> torch.Tensor:
+        "This rank's part of the embeddings: its rows for the ids it owns, zeros for the others."
         if input_ids.device.type == "cpu": check_token_ids(input_ids, self.num_embeddings)
         if self.tp_size == 1: return F.embedding(input_ids, self.weight)
         mine = (input_ids >= self.vocab_start_idx) & (input_ids < self.vocab_end_idx)
         local_ids = torch.where(mine, input_ids - self.vocab_start_idx, 0)
         out = F.embedding(local_ids, self.weight)
         # subtle: masked_fill, not a multiplication by the mask: 0 * inf is nan.
-        out = out.masked_fill(~mine.unsqueeze(-1), 0)
-        return all_reduce(out)
+        return out.masked_fill(~mine.unsqueeze(-1), 0)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        "Embeddings `[*input_ids.shape, embedding_dim]` of `input_ids`, the same on every rank."
+        out = self.embed_local(input_ids)
+        return self.comm.all_reduce(out) if self.tp_size > 1 else out
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, tp_rank={self.tp_rank}, tp_size={self.tp_size}, "
@@ -87,19 +90,40 @@ class VocabParallelEmbedding(nn.Module):
 # %% ../../nbs/04_vocab_embedding.ipynb #857e7e7a
 class ParallelLMHead(VocabParallelEmbedding):
     "LM head split by vocabulary rows like the embedding: each rank computes its logit slice, rank 0 gets all."
-    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False, *, tp_rank: int | None = None,
-                 tp_size: int | None = None, params_dtype: torch.dtype | None = None):
-        super().__init__(num_embeddings, embedding_dim, tp_rank=tp_rank, tp_size=tp_size, params_dtype=params_dtype)
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False, *, comm: Communicator | None = None,
+                 params_dtype: torch.dtype | None = None):
+        super().__init__(num_embeddings, embedding_dim, comm=comm, params_dtype=params_dtype)
         if bias:
-            self.bias = nn.Parameter(torch.empty(self.num_embeddings_per_rank, dtype=self.weight.dtype))
+            self.bias = nn.Parameter(torch.empty(self.num_embeddings_per_rank, dtype=self.weight.dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
 
+    def local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        "This rank's slice of the logits, `[..., num_embeddings_per_rank]` (padding columns included)."
+        return F.linear(hidden_states, self.weight, self.bias)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         "Logits `[..., num_embeddings]` of `hidden_states` `[..., embedding_dim]` on rank 0; `None` on other ranks."
-        logits = F.linear(hidden_states, self.weight, self.bias)
+        logits = self.local_logits(hidden_states)
         if self.tp_size == 1: return logits
-        logits = gather_to_rank0(logits)
+        logits = self.comm.gather(logits, dim=-1)
         if logits is None: return None
         return logits[..., :self.num_embeddings]
+
+    def greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        "`forward(hidden_states).argmax(-1)` on rank 0 (None elsewhere), gathering one (logit, id) pair per row and rank."
+        logits = self.local_logits(hidden_states)[..., :self.vocab_end_idx - self.vocab_start_idx]  # no padding
+        if self.tp_size == 1: return logits.argmax(-1)
+        if logits.shape[-1]:
+            best, ids = logits.max(dim=-1)  # subtle: the first of tied maxima, as argmax picks
+        else:  # a rank of padding only owns no ids
+            best = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
+            ids = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+        # subtle: float64 holds every float32 logit and every id below 2**53 exactly, so one tensor carries both.
+        pair = torch.stack([best.double(), (ids + self.vocab_start_idx).double()], dim=-1)
+        pairs = self.comm.gather(pair.unsqueeze(0), dim=0)  # [rank, ..., 2] on rank 0
+        if pairs is None: return None
+        # subtle: on a tie the lowest rank wins, whose ids are the lowest: the full argmax's first maximum.
+        winner = pairs[..., 0].argmax(dim=0, keepdim=True)
+        return pairs[..., 1].gather(0, winner).squeeze(0).long()

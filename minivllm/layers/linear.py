@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..distributed import all_gather, all_reduce, divide
-from ..distributed import tp_rank as group_rank, tp_size as group_size
+from ..distributed import Communicator, divide
 
 # %% auto #0
 __all__ = ['LinearBase', 'ReplicatedLinear', 'ColumnParallelLinear', 'RowParallelLinear', 'MergedColumnParallelLinear',
@@ -19,21 +18,13 @@ __all__ = ['LinearBase', 'ReplicatedLinear', 'ColumnParallelLinear', 'RowParalle
 # %% ../../nbs/03_parallel_linear.ipynb #bb9274af
 class LinearBase(nn.Module):
     "Base of the layers here: this rank's place in the TP group, a `weight` (and `bias`) shard, and `F.linear`."
-    def __init__(self, input_size: int, output_size: int, *, tp_rank: int | None = None,
-                 tp_size: int | None = None, params_dtype: torch.dtype | None = None):
+    def __init__(self, input_size: int, output_size: int, *, comm: Communicator | None = None,
+                 params_dtype: torch.dtype | None = None):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
-        self.tp_rank = group_rank() if tp_rank is None else tp_rank
-        self.tp_size = group_size() if tp_size is None else tp_size
+        self.comm = comm if comm is not None else Communicator()  # a group of one
+        self.tp_rank, self.tp_size = self.comm.rank, self.comm.world_size
         self.params_dtype = params_dtype or torch.get_default_dtype()
-        name = type(self).__name__
-        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"{name}: tp_rank={self.tp_rank} is not a rank of a group of tp_size={self.tp_size}")
-        if group_size() > 1 and (self.tp_rank, self.tp_size) != (group_rank(), group_size()):
-            # subtle: a shard for another rank would feed the wrong slice into this group's collectives.
-            raise ValueError(f"{name}: this process is rank {group_rank()} of a tensor-parallel group of {group_size()}, "
-                             f"but the layer was asked for rank {self.tp_rank} of {self.tp_size}; "
-                             "leave tp_rank and tp_size unset inside a process group")
 
     def create_params(self, out_features: int, in_features: int, bias: bool) -> None:
         "Allocate this rank's `(out_features, in_features)` weight (and bias) and attach the loader to them."
@@ -68,9 +59,9 @@ class LinearBase(nn.Module):
 # %% ../../nbs/03_parallel_linear.ipynb #dd9b6a07
 class ReplicatedLinear(LinearBase):
     "`y = x Wᵀ + b` with the full weight on every rank. Example: `ReplicatedLinear(16, 8)(x)` -> `x @ W.T`."
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, *, tp_rank: int | None = None,
-                 tp_size: int | None = None, params_dtype: torch.dtype | None = None):
-        super().__init__(input_size, output_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=params_dtype)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, *, comm: Communicator | None = None,
+                 params_dtype: torch.dtype | None = None):
+        super().__init__(input_size, output_size, comm=comm, params_dtype=params_dtype)
         self.create_params(output_size, input_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -82,8 +73,8 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     "Splits the output features: rank `r` holds rows `r*n/N:(r+1)*n/N` of the weight and computes that slice of `y`."
     def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False, *,
-                 tp_rank: int | None = None, tp_size: int | None = None, params_dtype: torch.dtype | None = None):
-        super().__init__(input_size, output_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=params_dtype)
+                 comm: Communicator | None = None, params_dtype: torch.dtype | None = None):
+        super().__init__(input_size, output_size, comm=comm, params_dtype=params_dtype)
         self.gather_output = gather_output
         self.create_params(divide(output_size, self.tp_size, f"{type(self).__name__} output_size"), input_size, bias)
 
@@ -96,14 +87,14 @@ class ColumnParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         "This rank's slice of the output features; all of them (on every rank) if `gather_output`."
         y = F.linear(x, self.weight, self.bias)
-        return all_gather(y, dim=-1) if self.gather_output else y
+        return self.comm.all_gather(y, dim=-1) if self.gather_output else y
 
 # %% ../../nbs/03_parallel_linear.ipynb #5b3dc4e1
 class RowParallelLinear(LinearBase):
     "Splits the input features: rank `r` holds columns `r*k/N:(r+1)*k/N` and computes a partial `y`; an all-reduce sums them."
     def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True, *,
-                 tp_rank: int | None = None, tp_size: int | None = None, params_dtype: torch.dtype | None = None):
-        super().__init__(input_size, output_size, tp_rank=tp_rank, tp_size=tp_size, params_dtype=params_dtype)
+                 comm: Communicator | None = None, params_dtype: torch.dtype | None = None):
+        super().__init__(input_size, output_size, comm=comm, params_dtype=params_dtype)
         self.reduce_results = reduce_results
         self.create_params(output_size, divide(input_size, self.tp_size, f"{type(self).__name__} input_size"), bias)
 
@@ -124,17 +115,17 @@ class RowParallelLinear(LinearBase):
             # subtle: sum the 16-bit partials in float32 and round once, as TP=1's matmul does; rounding each
             # partial (and each addition) flips near-tied tokens between TP sizes.
             y = F.linear(x.float(), self.weight.float(), None if bias is None else bias.float())
-            return all_reduce(y).to(x.dtype)
+            return self.comm.all_reduce(y).to(x.dtype)
         y = F.linear(x, self.weight, bias)
-        return all_reduce(y) if self.reduce_results else y
+        return self.comm.all_reduce(y) if self.reduce_results and self.tp_size > 1 else y
 
 # %% ../../nbs/03_parallel_linear.ipynb #99a75d56
 class MergedColumnParallelLinear(ColumnParallelLinear):
     "Column-parallel layers on one input fused in one weight (gate and up): rank `r` holds `[part0 shard r; part1 shard r; ...]`."
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, *, tp_rank: int | None = None,
-                 tp_size: int | None = None, params_dtype: torch.dtype | None = None):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, *, comm: Communicator | None = None,
+                 params_dtype: torch.dtype | None = None):
         # subtle: no gather_output: gathering the shards would interleave [gate_0, up_0, gate_1, up_1, ...].
-        super().__init__(input_size, sum(output_sizes), bias, tp_rank=tp_rank, tp_size=tp_size, params_dtype=params_dtype)
+        super().__init__(input_size, sum(output_sizes), bias, comm=comm, params_dtype=params_dtype)
         self.output_sizes = list(output_sizes)
         for i, size in enumerate(self.output_sizes):
             divide(size, self.tp_size, f"{type(self).__name__} output_sizes[{i}]")
@@ -170,11 +161,10 @@ def heads_per_rank(total_num_heads: int, total_num_kv_heads: int, tp_size: int) 
 class QKVParallelLinear(LinearBase):
     "The fused q/k/v projection of attention, split by heads: rank `r` holds `[its q heads; its k heads; its v heads]`."
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int | None = None,
-                 bias: bool = False, *, tp_rank: int | None = None, tp_size: int | None = None,
-                 params_dtype: torch.dtype | None = None):
+                 bias: bool = False, *, comm: Communicator | None = None, params_dtype: torch.dtype | None = None):
         total_num_kv_heads = total_num_heads if total_num_kv_heads is None else total_num_kv_heads
-        super().__init__(hidden_size, (total_num_heads + 2 * total_num_kv_heads) * head_size,
-                         tp_rank=tp_rank, tp_size=tp_size, params_dtype=params_dtype)
+        super().__init__(hidden_size, (total_num_heads + 2 * total_num_kv_heads) * head_size, comm=comm,
+                         params_dtype=params_dtype)
         self.hidden_size, self.head_size = hidden_size, head_size
         self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
         self.num_heads, self.num_kv_heads, self.num_kv_head_replicas = heads_per_rank(
