@@ -39,7 +39,7 @@ def divide(numerator: int, denominator: int, what: str = "value") -> int:
                          f"choose a tensor-parallel size that divides {numerator}")
     return numerator // denominator
 
-# %% ../nbs/01_distributed.ipynb #f6f5b72b
+# %% ../nbs/01_distributed.ipynb #763057d6
 class Communicator:
     "A rank's place in its tensor-parallel group (`rank` of `world_size`) and the collectives a layer may call."
     def __init__(self, rank: int = 0, world_size: int = 1):
@@ -82,7 +82,7 @@ class Communicator:
     def __exit__(self, *exc): self.close()
     def __repr__(self): return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
 
-# %% ../nbs/01_distributed.ipynb #8baaae5e
+# %% ../nbs/01_distributed.ipynb #5a908a59
 class CountingCommunicator(Communicator):
     "Passes every collective on to `comm` and counts them by name in `counts`."
     def __init__(self, comm: Communicator):
@@ -95,7 +95,7 @@ class CountingCommunicator(Communicator):
     def broadcast(self, x, src=0): self.counts["broadcast"] += 1; return self.comm.broadcast(x, src)
     def barrier(self): self.counts["barrier"] += 1; self.comm.barrier()
 
-# %% ../nbs/01_distributed.ipynb #4ac42b75
+# %% ../nbs/01_distributed.ipynb #0d8ab604
 _BOOTSTRAP = ("import pickle, sys; path, payload = pickle.loads(sys.stdin.buffer.read()); sys.path[:] = path; "
               "from minivllm.distributed import _rank_process_main; _rank_process_main(payload)")
 
@@ -118,7 +118,7 @@ def _rank_process_main(payload: bytes) -> None:
     fn, args, kwargs = pickle.loads(payload)
     fn(*args, **kwargs)
 
-# %% ../nbs/01_distributed.ipynb #476c9803
+# %% ../nbs/01_distributed.ipynb #08d33a49
 def describe_exit(exitcode: int | None) -> str:
     "How a process ended, in words. Example: `-9` -> `died with exit code -9 (killed by SIGKILL)`."
     if exitcode is None:
@@ -148,13 +148,14 @@ class RankProcess:
 
     def _forward_stderr(self) -> None:
         "Print each line the rank writes to stderr (prefixed with its name) and keep the last ones; ends when it exits."
-        for raw in self._popen.stderr:
-            line = raw.decode("utf-8", "replace").rstrip()
-            self._tail.append(line)
-            try:
-                print(f"({self.name} pid={self.pid}) {line}", file=sys.stderr, flush=True)
-            except Exception:  # no stderr any more (the interpreter is shutting down)
-                pass
+        with self._popen.stderr:  # subtle: closed at the end, so an ended rank holds no descriptor of ours
+            for raw in self._popen.stderr:
+                line = raw.decode("utf-8", "replace").rstrip()
+                self._tail.append(line)
+                try:
+                    print(f"({self.name} pid={self.pid}) {line}", file=sys.stderr, flush=True)
+                except Exception:  # no stderr any more (the interpreter is shutting down)
+                    pass
 
     @property
     def exitcode(self) -> int | None:
@@ -172,7 +173,11 @@ class RankProcess:
         self._stderr.join(timeout=2.0)
 
     def terminate(self) -> None:
-        if self.is_alive(): self._popen.terminate()
+        "Ask the process to end (SIGTERM; and SIGCONT, so that a stopped process receives it)."
+        if self.is_alive():
+            self._popen.terminate()
+            try: os.kill(self.pid, signal.SIGCONT)
+            except ProcessLookupError: pass
 
     def kill(self) -> None:
         if self.is_alive(): self._popen.kill()

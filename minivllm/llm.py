@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence as Seq
 
-import torch
 import transformers
 from tqdm.auto import tqdm
 
@@ -22,7 +21,7 @@ from .distributed import RankFailure, listen_socket
 from .engine.block_manager import BlockManager
 from .engine.ipc import ShmCommandChannel
 from .engine.model_runner import EngineArgs, ModelRunner, SamplingInputs, StepInputs
-from .engine.scheduler import SamplingParams, Scheduler, Sequence
+from .engine.scheduler import SamplingParams, Scheduler, Sequence, _is_int, check_token_ids
 
 # %% auto #0
 __all__ = ['logger', 'DEFAULT_MODEL', 'RequestOutput', 'LLM', 'add_request', 'step', 'generate', 'apply_chat_template', 'chat']
@@ -42,7 +41,7 @@ class RequestOutput:
         shown = self.text if self.text is not None else self.token_ids
         return f"RequestOutput({shown!r}, finish_reason={self.finish_reason!r}, {len(self.token_ids)} tokens)"
 
-# %% ../nbs/13_llm.ipynb #3cad2e47
+# %% ../nbs/13_llm.ipynb #c1240b25
 class _StderrHandler(logging.Handler):
     "Writes each record to the current `sys.stderr` (which notebooks and test runners replace), as `minivllm: ...`."
     def emit(self, record: logging.LogRecord) -> None:
@@ -140,22 +139,26 @@ class LLM:
 
 # %% ../nbs/13_llm.ipynb #33969779
 def _prompt_ids(self: LLM, prompt) -> tuple[str | None, list[int]]:
-    "`(text, token_ids)` of a prompt given as a string or as token ids."
+    "`(text, token_ids)` of a prompt given as a string, or as token ids (a list, a NumPy array, a tensor)."
     if isinstance(prompt, str):
         if self.tokenizer is None:
             raise ValueError(f"{self.args.model} has no tokenizer: pass prompts as lists of token ids")
         return prompt, self.tokenizer.encode(prompt)
-    if isinstance(prompt, torch.Tensor):
+    if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):  # a NumPy array or a torch tensor
         prompt = prompt.tolist()
-    return None, list(prompt)
+    if _is_int(prompt) or not hasattr(prompt, "__iter__"):
+        raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__} {prompt!r}")
+    return None, check_token_ids(prompt)  # ints, NumPy ints and the like become Python ints; anything else is refused
 
 def add_request(self: LLM, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Sequence:
     "Queue one request; its `Sequence`. `ValueError` (and nothing queued) if the request is bad."
+    if self.closed:
+        raise RuntimeError("this LLM is closed: create a new one to add requests")
     text, ids = _prompt_ids(self, prompt)
     vocab = self.config.vocab_size
-    if any(isinstance(t, int) and not 0 <= t < vocab for t in ids):
+    if any(not 0 <= t < vocab for t in ids):
         raise ValueError(f"the prompt holds token ids outside the vocabulary [0, {vocab}): "
-                         f"{[t for t in ids if isinstance(t, int) and not 0 <= t < vocab][:5]}")
+                         f"{[t for t in ids if not 0 <= t < vocab][:5]}")
     seq = self.scheduler.add(ids, sampling_params)
     seq.prompt_text = text
     return seq
@@ -204,9 +207,9 @@ LLM.step = step
 
 # %% ../nbs/13_llm.ipynb #859dbf4e
 def _as_prompt_list(prompts) -> tuple[list, bool]:
-    "`(list of prompts, whether a single prompt was given)`."
-    if isinstance(prompts, (str, torch.Tensor)) or (isinstance(prompts, Seq) and prompts and
-                                                    all(isinstance(t, int) for t in prompts)):
+    "`(list of prompts, whether a single prompt was given)`: a string, a flat list of ids, a 1-D array or tensor is one."
+    flat = isinstance(prompts, Seq) and prompts and not any(isinstance(t, str) or hasattr(t, "__len__") for t in prompts)
+    if isinstance(prompts, str) or (hasattr(prompts, "ndim") and prompts.ndim == 1) or flat:
         return [prompts], True
     prompts = list(prompts)
     if not prompts:
@@ -235,7 +238,7 @@ def generate(self: LLM, prompts, sampling_params: SamplingParams | Iterable[Samp
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
     except BaseException:
-        for seq in seqs: self.scheduler.waiting.remove(seq)
+        for seq in seqs: self.scheduler.abort(seq)
         raise
     bar = tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
     spent = {True: [0, 0.0], False: [0, 0.0]}  # prefill / decode: tokens, seconds
@@ -248,6 +251,11 @@ def generate(self: LLM, prompts, sampling_params: SamplingParams | Iterable[Samp
                 rate = lambda k: f"{spent[k][0] / spent[k][1]:.0f}" if spent[k][1] else "-"
                 bar.set_postfix_str(f"prefill {rate(True)} tok/s, decode {rate(False)} tok/s", refresh=False)
                 bar.update(sum(s in seqs for s in finished))
+    except BaseException:
+        # subtle: whatever interrupted us (Ctrl-C in the progress bar, an error between steps), this call's requests
+        # must not stay queued: later calls would decode them and never return them. Their blocks are freed now.
+        for seq in seqs: self.scheduler.abort(seq)
+        raise
     finally:
         bar.close()
     outputs = [_output(self, s) for s in seqs]

@@ -285,3 +285,142 @@ def test_cli_generate_on_a_checkpoint_without_tokenizer_is_a_clear_error(tiny):
     r = subprocess.run([sys.executable, "-m", "minivllm", "generate", "hello", "--model", str(tiny), "--quiet"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "has no tokenizer" in r.stderr
+
+
+# ------------------------------------------------------------------------------------------------ the first hour, made safe
+GUARDLESS = textwrap.dedent("""
+    import sys
+    from minivllm import LLM, SamplingParams
+    llm = LLM(sys.argv[1], tensor_parallel_size=int(sys.argv[2]), max_model_len=64)  # no main guard, no close()
+    out = llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)
+    print([o.token_ids for o in out])
+""")
+
+
+def test_a_script_without_a_main_guard_gives_the_tp1_tokens_at_tp_2_and_4(tiny, tmp_path):
+    script = tmp_path / "no_guard.py"
+    script.write_text(GUARDLESS)
+    runs = [subprocess.run([sys.executable, str(script), str(tiny), str(tp)], capture_output=True, text=True,
+                           timeout=300) for tp in (1, 2, 4)]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-3000:] for r in runs]
+    assert runs[0].stdout.startswith("[[") and runs[0].stdout == runs[1].stdout == runs[2].stdout
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def broken_start(kind: str, tiny: Path, tmp_path: Path) -> tuple[Path, dict]:
+    "A checkpoint (and engine arguments) whose engine fails to start after its ranks have joined their group."
+    if kind == "too few blocks":
+        return tiny, dict(num_kvcache_blocks=1)
+    from safetensors.torch import load_file, save_file
+    import shutil
+    dst = tmp_path / kind.replace(" ", "_")
+    shutil.copytree(tiny, dst)
+    weights = dst / "model.safetensors"
+    if kind == "wrong shape":
+        tensors = load_file(weights)
+        tensors["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(3, 64)
+        save_file(tensors, weights, metadata={"format": "pt"})
+    else:  # truncated file
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return dst, {}
+
+
+@pytest.mark.parametrize("kind", ["too few blocks", "wrong shape", "truncated file"])
+def test_after_a_failed_start_engines_of_every_size_work(tiny, tmp_path, kind):
+    path, kw = broken_start(kind, tiny, tmp_path)
+    with pytest.raises(Exception):  # the first failure also warms up what a process opens once (thread pools, ...)
+        LLM(path, tensor_parallel_size=2, max_model_len=64, **kw)
+    before = open_fds()
+    for _ in range(3):
+        with pytest.raises(Exception) as failure:
+            LLM(path, tensor_parallel_size=2, max_model_len=64, **kw)
+        assert not isinstance(failure.value, TimeoutError)
+    del failure
+    assert open_fds() <= before, "a failed start leaked file descriptors"
+    for tp in (1, 2):
+        with LLM(tiny, tensor_parallel_size=tp, max_model_len=64) as llm:
+            assert len(llm.generate([1, 2, 3], GREEDY, use_tqdm=False).token_ids) == MAX_TOKENS
+
+
+def test_engines_of_different_sizes_take_turns_in_one_process(tiny):
+    "A TP=2 engine, then a TP=1 engine, then another TP=2 engine, all open at once: each has its own group."
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5]]
+    with LLM(tiny, tensor_parallel_size=2, max_model_len=64) as a, LLM(tiny, max_model_len=64) as b, \
+            LLM(tiny, tensor_parallel_size=2, max_model_len=64) as c:
+        reference = [o.token_ids for o in b.generate(prompts, params, use_tqdm=False)]
+        for llm in (a, b, c, a, c, b):
+            assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == reference
+
+
+def tcp_listeners(pids: list[int]) -> list[str]:
+    "The local addresses on which these processes listen for TCP connections (`ss -ltnp`)."
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[3] for line in out.splitlines() if any(f"pid={pid}," in line for pid in pids)]
+
+
+@pytest.mark.skipif(subprocess.run(["which", "ss"], capture_output=True).returncode != 0, reason="needs ss (iproute2)")
+def test_the_engine_listens_on_loopback_only(tiny):
+    with LLM(tiny, tensor_parallel_size=2, max_model_len=64) as llm:
+        llm.generate([1, 2, 3], GREEDY, use_tqdm=False)
+        addresses = tcp_listeners([os.getpid()] + [p.pid for p in workers_of(llm)])
+    assert addresses, "no listener seen: the check would prove nothing"
+    assert all(a.startswith("127.0.0.1:") for a in addresses), addresses
+
+
+def test_numpy_token_ids_are_checked_like_python_ints(tiny):
+    import numpy as np
+    with LLM(tiny, tensor_parallel_size=2, max_model_len=64) as llm:
+        reference = llm.generate([1, 2, 3], GREEDY, use_tqdm=False).token_ids
+        assert llm.generate(np.array([1, 2, 3]), GREEDY, use_tqdm=False).token_ids == reference
+        assert llm.generate([np.array([1, 2, 3], dtype=np.int32)], GREEDY, use_tqdm=False)[0].token_ids == reference
+        assert llm.generate([np.int64(1), np.int16(2), 3], GREEDY, use_tqdm=False).token_ids == reference
+        for bad, message in ((np.array([1, 5000]), "outside the vocabulary"),
+                             ([np.int64(1), np.int64(300)], "outside the vocabulary"),
+                             (np.array([[1, -2]]), r"token ids \(integers >= 0\)"),
+                             ([1, np.float32(2.0)], r"token ids \(integers >= 0\)")):
+            with pytest.raises(ValueError, match=message):
+                llm.generate(bad, GREEDY, use_tqdm=False)
+        assert llm.scheduler.is_finished()
+        assert llm.generate([1, 2, 3], GREEDY, use_tqdm=False).token_ids == reference  # still serving
+
+
+def test_a_stopped_worker_is_named_within_seconds(tiny):
+    llm = LLM(tiny, tensor_parallel_size=2, max_model_len=512)
+    segment, (worker,) = llm.channel.name, workers_of(llm)
+    llm.generate([1, 2, 3], GREEDY, use_tqdm=False)
+    os.kill(worker.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match=r"worker rank 1 \(pid \d+\) has been stopped \(SIGSTOP or a debugger\)"):
+        llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - t0 < 10
+    assert llm.closed and not worker.is_alive() and not (SHM / segment).exists()
+
+
+class InterruptedAfterOneStep(LLM):
+    "An LLM whose first `step` is followed by a KeyboardInterrupt, as Ctrl-C in the progress bar would raise."
+    interrupt = True
+
+    def step(self):
+        out = super().step()
+        if self.interrupt:
+            self.interrupt = False
+            raise KeyboardInterrupt
+        return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_an_interruption_between_steps_aborts_the_calls_requests(tiny, tp):
+    with InterruptedAfterOneStep(tiny, tensor_parallel_size=tp, max_model_len=64) as llm:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[1, 2, 3], [4, 5]], GREEDY, use_tqdm=False)
+        manager = llm.scheduler.block_manager
+        assert llm.scheduler.is_finished() and manager.num_free_blocks == manager.num_blocks
+        out = llm.generate([[1, 2, 3], [4, 5]], GREEDY, use_tqdm=False)
+        assert [len(o.token_ids) for o in out] == [MAX_TOKENS] * 2  # only this call's requests ran
+    with pytest.raises(RuntimeError, match="this LLM is closed"):
+        llm.add_request([1, 2, 3])

@@ -83,7 +83,9 @@ def _close_owner(owner: _Owner) -> None:
             except OSError:  # a worker that is gone: nothing to wake
                 pass
         deadline = time.monotonic() + owner.grace_s
-        for p in owner.procs.values(): p.join(max(0.0, deadline - time.monotonic()))
+        for p in owner.procs.values():
+            if process_state(p.pid) != "stopped":  # a frozen worker cannot exit by itself: no use waiting for it
+                p.join(max(0.0, deadline - time.monotonic()))
         for p in owner.procs.values():
             if p.is_alive():
                 p.terminate()

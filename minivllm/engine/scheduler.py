@@ -90,7 +90,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose keys and values are in the cache
         self.num_cached_tokens = 0  # of those, found in the prefix cache at the last allocation
-        self.finish_reason: str | None = None  # "stop" (EOS or a stop token) or "length" (max_tokens, max_model_len)
+        self.finish_reason: str | None = None  # "stop" (EOS or a stop token), "length" (max_tokens, max_model_len), "abort"
         self.num_preemptions = 0
 
     @property
@@ -262,6 +262,17 @@ class Scheduler:
         self.num_preemptions += 1
         # subtle: victims are taken newest first and each goes to the front, so the queue keeps their admission order.
         self.waiting.appendleft(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        "Stop `seq` now, waiting or running: its blocks are freed and it finishes with reason 'abort'. No-op if finished."
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq.block_table)
+        else:
+            self.waiting.remove(seq)
+        seq.block_table, seq.status, seq.finish_reason = [], SequenceStatus.FINISHED, "abort"
 
     # ---- recording a step
     def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int | None]) -> list[Sequence]:
