@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,7 +19,8 @@ import torch
 from .engine.scheduler import SamplingParams
 
 # %% auto #0
-__all__ = ['Workload', 'Result', 'bench_minivllm', 'bench_transformers', 'format_table', 'main']
+__all__ = ['SHAPES', 'Workload', 'Result', 'bench_minivllm', 'bench_transformers', 'format_table', 'random_checkpoint', 'main',
+           'allreduce_main']
 
 # %% ../nbs/14_benchmark.ipynb #d6560c63
 @dataclass
@@ -53,24 +57,34 @@ class Result:
     output_tokens: int
     seconds: float  # generation only
     startup_seconds: float  # building the engine or loading the model
+    num_threads: int | None = None  # intra-op threads per rank (None: the engine's default)
+    cpu_seconds: float | None = None  # CPU time of this process during generation (rank 0 only)
 
     @property
     def tokens_per_s(self) -> float: return self.output_tokens / self.seconds
 
+    @property
+    def label(self) -> str:
+        "The engine with its TP size and threads. Example: `minivllm TP=2 (1 thread)`."
+        if not self.engine.startswith("minivllm"): return self.engine
+        threads = "" if self.num_threads is None else f" ({self.num_threads} thread{'s' * (self.num_threads > 1)})"
+        return f"{self.engine} TP={self.tensor_parallel_size}{threads}"
+
 def bench_minivllm(model: str | Path | None, workload: Workload, tensor_parallel_size: int = 1,
-                   dtype: str | None = None, **llm_kwargs) -> Result:
+                   dtype: str | None = None, num_threads: int | None = None, **llm_kwargs) -> Result:
     "minivllm's throughput on `workload` (one `generate` call with every request)."
     from minivllm.llm import LLM
     start = time.perf_counter()
     longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
     llm_kwargs.setdefault("max_model_len", longest)
-    with LLM(model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, **llm_kwargs) as llm:
+    with LLM(model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, num_threads=num_threads,
+             **llm_kwargs) as llm:
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm up
-        ready = time.perf_counter()
+        ready, cpu = time.perf_counter(), time.process_time()
         outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
-        seconds = time.perf_counter() - ready
+        seconds, cpu = time.perf_counter() - ready, time.process_time() - cpu
     assert [len(o.token_ids) for o in outputs] == workload.output_lens
-    return Result("minivllm", tensor_parallel_size, workload.output_tokens, seconds, ready - start)
+    return Result("minivllm", tensor_parallel_size, workload.output_tokens, seconds, ready - start, num_threads, cpu)
 
 @torch.no_grad()
 def bench_transformers(model: str | Path, workload: Workload, dtype: str | None = None, batch_size: int = 1) -> Result:
@@ -93,53 +107,128 @@ def bench_transformers(model: str | Path, workload: Workload, dtype: str | None 
     return Result(name, 1, workload.output_tokens, seconds, ready - start)
 
 # %% ../nbs/14_benchmark.ipynb #67944d5c
-def format_table(results: list[Result], baseline: Result | None) -> str:
-    "A text table of results, with each one's speed-up over `baseline`."
-    lines = [f"{'engine':<34} {'TP':>3} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'vs ' + (baseline.engine if baseline else '-'):>10}"]
-    for r in results:
-        ratio = f"{r.tokens_per_s / baseline.tokens_per_s:.2f}x" if baseline else "-"
-        lines.append(f"{r.engine:<34} {r.tensor_parallel_size:>3} {r.output_tokens:>7} {r.seconds:>8.2f} "
-                     f"{r.tokens_per_s:>8.0f} {ratio:>10}")
+def format_table(runs: dict[str, list[Result]], baseline: str | None) -> str:
+    "A text table: per configuration, the median tok/s of its runs, their spread, and the speed-up over `baseline`."
+    median = {k: statistics.median(r.tokens_per_s for r in rs) for k, rs in runs.items()}
+    lines = [f"{'engine':<36} {'tokens':>7} {'runs':>4} {'tok/s':>8} {'spread':>13} {'vs ' + (baseline or '-'):>10}"]
+    for label, rs in runs.items():
+        speeds = [r.tokens_per_s for r in rs]
+        ratio = f"{median[label] / median[baseline]:.2f}x" if baseline else "-"
+        spread = f"{min(speeds):.0f}-{max(speeds):.0f}" if len(rs) > 1 else ""
+        lines.append(f"{label:<36} {rs[0].output_tokens:>7} {len(rs):>4} {median[label]:>8.0f} {spread:>13} {ratio:>10}")
     return "\n".join(lines)
 
+SHAPES = {  # real models' shapes, for random-weight checkpoints of the same cost (make_tiny_checkpoint's keywords)
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1000000.0),
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=100000.0),
+}
+
+def random_checkpoint(shape: str, cache: str | Path | None = None) -> Path:
+    "A random-weight float32 checkpoint of a real model's `shape` (see SHAPES), built once in `cache` and reused."
+    from minivllm.models import make_tiny_checkpoint
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}: choose one of {', '.join(SHAPES)}")
+    cache = Path(cache or os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm"))
+    path = cache / f"random-{shape}"
+    if not (path / "config.json").exists():
+        print(f"building a random-weight {shape} checkpoint in {path} (once)", file=sys.stderr, flush=True)
+        kw = dict(SHAPES[shape])
+        make_tiny_checkpoint(path, kw.pop("model_type"), initializer_range=0.02, **kw)
+    return path
+
+def _configs(tps: list[int], threads: list[int | None]) -> list[tuple[int, int | None]]:
+    "Every (TP size, threads per rank) pair, without duplicates that the engine would run the same way."
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    out = []
+    for tp in tps:
+        for n in threads:
+            if (tp, n) not in out and not (n is not None and n == max(1, cores // tp) and (tp, None) in out):
+                out.append((tp, n))
+    return out
+
 def main(argv: list[str] | None = None) -> int:
-    "`minivllm bench`: minivllm against transformers on one seeded workload."
-    p = argparse.ArgumentParser(prog="minivllm bench", description=main.__doc__)
+    "`minivllm bench`: minivllm against transformers on one seeded workload (`minivllm bench allreduce`: the collectives)."
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["allreduce"]:
+        return allreduce_main(argv[1:])
+    p = argparse.ArgumentParser(prog="minivllm bench", description=main.__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint folder (default: the packaged model)")
+    p.add_argument("--random-shape", default=None, choices=sorted(SHAPES),
+                   help="benchmark a random-weight checkpoint of this real model's shape (built once, cached)")
     p.add_argument("--tp", default="1", help="comma-separated tensor_parallel_size values, e.g. 1,2")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-threads", default="auto",
+                   help="comma-separated intra-op threads per rank for every minivllm run ('auto': the engine's default)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of every configuration, in alternating order")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests in the workload")
+    p.add_argument("--input-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"),
+                   help="prompt lengths, uniform in [MIN, MAX]")
+    p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"),
+                   help="output lengths, uniform in [MIN, MAX] (ignore_eos: exactly that many)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload")
     p.add_argument("--hf-batch-sizes", default="16,64",
                    help="comma-separated batch sizes of the transformers runs (1: one request at a time, slow)")
     p.add_argument("--skip-hf", action="store_true", help="only minivllm")
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the CPU is always eager)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     a = p.parse_args(argv)
     from minivllm.config import Config
     from minivllm.llm import DEFAULT_MODEL
-    model = Path(a.model) if a.model else DEFAULT_MODEL
+    model = random_checkpoint(a.random_shape) if a.random_shape else Path(a.model) if a.model else DEFAULT_MODEL
     workload = Workload.make(Config.from_pretrained(model).vocab_size, a.num_prompts, tuple(a.input_len),
                              tuple(a.output_len), a.seed)
-    print(f"workload: {a.num_prompts} requests, {sum(map(len, workload.prompts))} prompt tokens, "
-          f"{workload.output_tokens} output tokens; model {model} in {a.dtype}", flush=True)
-    results = []
-    for tp in [int(t) for t in a.tp.split(",")]:
-        results.append(bench_minivllm(model, workload, tp, a.dtype, enforce_eager=a.enforce_eager))
-        print(format_table(results[-1:], None).splitlines()[1], flush=True)
-    baselines = []
-    if not a.skip_hf:
-        for bs in [int(b) for b in a.hf_batch_sizes.split(",") if b]:
-            baselines.append(bench_transformers(model, workload, a.dtype, bs))
-            print(format_table(baselines[-1:], None).splitlines()[1], flush=True)
-    best = max(baselines, key=lambda r: r.tokens_per_s) if baselines else None
-    print("\n" + format_table(results + baselines, best))
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)
+    log(f"workload: {a.num_prompts} requests, {sum(map(len, workload.prompts))} prompt tokens, "
+        f"{workload.output_tokens} output tokens; model {model} in {a.dtype}")
+    threads = [None if t.strip() == "auto" else int(t) for t in a.num_threads.split(",")]
+    jobs = [("minivllm", tp, n) for tp, n in _configs([int(t) for t in a.tp.split(",")], threads)]
+    jobs += [("transformers", 1, int(bs)) for bs in a.hf_batch_sizes.split(",") if bs and not a.skip_hf]
+    runs: dict[str, list[Result]] = {}
+    for rep in range(a.repeats):
+        for engine, tp, n in (jobs if rep % 2 == 0 else jobs[::-1]):  # subtle: alternate, so drift hits all alike
+            r = (bench_minivllm(model, workload, tp, a.dtype, num_threads=n, enforce_eager=a.enforce_eager)
+                 if engine == "minivllm" else bench_transformers(model, workload, a.dtype, n))
+            runs.setdefault(r.label, []).append(r)
+            log(f"run {rep + 1}/{a.repeats}: {r.label}: {r.tokens_per_s:.0f} tok/s")
+    hf = [k for k in runs if k.startswith("transformers")]
+    best_hf = max(hf, key=lambda k: statistics.median(r.tokens_per_s for r in runs[k])) if hf else None
+    print(format_table(runs, best_hf))
+    ours = {k: statistics.median(r.tokens_per_s for r in rs) for k, rs in runs.items() if k.startswith("minivllm")}
+    tp1 = [k for k in ours if runs[k][0].tensor_parallel_size == 1]
+    if tp1 and len(ours) > len(tp1):
+        best = max(tp1, key=ours.get)
+        for k in ours:
+            if runs[k][0].tensor_parallel_size > 1:
+                print(f"{k}: {ours[k] / ours[best]:.2f}x the best TP=1 ({best})")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a) | {"model": str(model)}, "device": _device_name(),
-                                            "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s}
-                                                        for r in results + baselines]}, indent=1))
+                                            "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s, "label": k}
+                                                        for k, rs in runs.items() for r in rs]}, indent=1))
+    return 0
+
+def allreduce_main(argv: list[str] | None = None) -> int:
+    "`minivllm bench allreduce`: one all-reduce through gloo and through shared memory, and their ratio."
+    from functools import partial
+    from minivllm.distributed import run_on_ranks
+    from minivllm.shm_allreduce import ShmCommunicator, time_all_reduce
+    p = argparse.ArgumentParser(prog="minivllm bench allreduce", description=allreduce_main.__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--tp", type=int, default=2, help="ranks")
+    p.add_argument("--shape", type=int, nargs="+", default=[64, 1024], help="shape of the float32 tensor")
+    p.add_argument("--iters", type=int, default=50, help="all-reduces per timed loop")
+    p.add_argument("--repeats", type=int, default=7, help="timed loops per path, alternating; the median is kept")
+    a = p.parse_args(argv)
+    nbytes = 4 * torch.Size(a.shape).numel()
+    connect = partial(ShmCommunicator.connect, slot_bytes=max(nbytes, 1 << 20))
+    t = run_on_ranks(time_all_reduce, a.tp, [nbytes], a.iters, a.repeats, connect=connect)
+    gloo, one, two = (t[f"{nbytes}:{k}"] * 1e6 for k in ("gloo", "one-shot", "two-shot"))
+    print(f"all-reduce of a {tuple(a.shape)} float32 tensor ({nbytes:,} bytes) at {a.tp} ranks: gloo {gloo:.0f} µs, "
+          f"shared memory {one:.0f} µs one-shot, {two:.0f} µs two-shot: {gloo / min(one, two):.1f}x faster than gloo")
     return 0
 
 def _device_name() -> str:

@@ -39,7 +39,7 @@ def divide(numerator: int, denominator: int, what: str = "value") -> int:
                          f"choose a tensor-parallel size that divides {numerator}")
     return numerator // denominator
 
-# %% ../nbs/01_distributed.ipynb #763057d6
+# %% ../nbs/01_distributed.ipynb #02a0ac6d
 class Communicator:
     "A rank's place in its tensor-parallel group (`rank` of `world_size`) and the collectives a layer may call."
     def __init__(self, rank: int = 0, world_size: int = 1):
@@ -82,7 +82,7 @@ class Communicator:
     def __exit__(self, *exc): self.close()
     def __repr__(self): return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
 
-# %% ../nbs/01_distributed.ipynb #5a908a59
+# %% ../nbs/01_distributed.ipynb #25e0f9de
 class CountingCommunicator(Communicator):
     "Passes every collective on to `comm` and counts them by name in `counts`."
     def __init__(self, comm: Communicator):
@@ -95,7 +95,7 @@ class CountingCommunicator(Communicator):
     def broadcast(self, x, src=0): self.counts["broadcast"] += 1; return self.comm.broadcast(x, src)
     def barrier(self): self.counts["barrier"] += 1; self.comm.barrier()
 
-# %% ../nbs/01_distributed.ipynb #0d8ab604
+# %% ../nbs/01_distributed.ipynb #b060e673
 _BOOTSTRAP = ("import pickle, sys; path, payload = pickle.loads(sys.stdin.buffer.read()); sys.path[:] = path; "
               "from minivllm.distributed import _rank_process_main; _rank_process_main(payload)")
 
@@ -118,7 +118,7 @@ def _rank_process_main(payload: bytes) -> None:
     fn, args, kwargs = pickle.loads(payload)
     fn(*args, **kwargs)
 
-# %% ../nbs/01_distributed.ipynb #08d33a49
+# %% ../nbs/01_distributed.ipynb #3f1811c9
 def describe_exit(exitcode: int | None) -> str:
     "How a process ended, in words. Example: `-9` -> `died with exit code -9 (killed by SIGKILL)`."
     if exitcode is None:
@@ -539,6 +539,12 @@ def run_on_ranks(fn: Callable, world_size: int, *args, connect: Callable | None 
         return _collect(procs, pipes, timeout_s)
     finally:
         listener.close()
+        # subtle: after a failure the other ranks notice it within seconds and leave cleanly (rank 0's shared
+        # memory unlinked by whoever outlives it); give them that time before killing what is left.
+        grace_end = time.monotonic() + 5.0
+        for p in procs.values():
+            if process_state(p.pid) != "stopped":
+                p.join(max(0.0, grace_end - time.monotonic()))
         for p in procs.values(): p.kill()
         for p in procs.values(): p.join(10)
         for fd in pipes.values(): os.close(fd)

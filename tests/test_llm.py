@@ -241,18 +241,20 @@ RANK0_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("how", ["interrupt", "exit"])
-def test_rank0_interrupted_or_exiting_leaves_nothing_behind(tiny, how):
-    proc = subprocess.Popen([sys.executable, "-c", RANK0_SCRIPT, str(tiny), how], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=default_sigint)
+@pytest.mark.parametrize("how", ["interrupt", "exit", "sigkill"])
+def test_rank0_interrupted_exiting_or_killed_leaves_nothing_behind(tiny, how):
+    "Rank 0 interrupted, exiting without close(), or killed: the workers leave and unlink both of its segments."
+    proc = subprocess.Popen([sys.executable, "-c", RANK0_SCRIPT, str(tiny), "interrupt" if how == "sigkill" else how],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     info = json.loads(proc.stdout.readline())
-    if how == "interrupt":
+    if how in ("interrupt", "sigkill"):
         time.sleep(1.0)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT if how == "interrupt" else signal.SIGKILL)
     out, err = proc.communicate(timeout=60)
     if how == "interrupt":
         assert proc.returncode != 0 and ("interrupted in the middle of a step" in err or "KeyboardInterrupt" in err), err
+    elif how == "sigkill":
+        assert proc.returncode == -signal.SIGKILL
     else:
         assert proc.returncode == 0, err
     assert wait_until(lambda: all(gone(pid) for pid in info["workers"]), 10), "a worker outlived rank 0"

@@ -337,17 +337,17 @@ class ShmCommandReceiver:
     def __exit__(self, *exc): self.close()
 
 # %% ../../nbs/10_shm_ipc.ipynb #9cf9c314
-def worker_loop(receiver: ShmCommandReceiver, handler: Any) -> None:
-    "Call `getattr(handler, method)(*args)` for each command until `exit` (or rank 0's death); report a failure to rank 0 and re-raise."
+def worker_loop(receiver: ShmCommandReceiver, handler: Any) -> bool:
+    "Call `getattr(handler, method)(*args)` for each command until `exit` (True) or rank 0's death (False); report a failure and re-raise."
     try:
         while True:
             method, args = receiver.recv()
             if method == "exit":
                 if hasattr(handler, "exit"): handler.exit(*args)
-                return
+                return True
             getattr(handler, method)(*args)
     except OwnerDied:
-        return
+        return False
     except BaseException:
         receiver.report_error(traceback.format_exc())
         raise
@@ -356,14 +356,19 @@ def _worker_main(handle_fields: dict, make_handler: Callable, args: tuple) -> No
     "Body of a worker: attach, build `make_handler(rank, *args)`, serve commands, close whatever happens."
     handle = WorkerHandle(**handle_fields)
     receiver = ShmCommandReceiver(handle)
+    handler, exited = None, False
     try:
         try:
             handler = make_handler(handle.rank, *args)
         except BaseException:
             receiver.report_error(traceback.format_exc())
             raise
-        worker_loop(receiver, handler)
+        exited = worker_loop(receiver, handler)
     finally:
+        if handler is not None and not exited and hasattr(handler, "exit"):
+            # subtle: rank 0 died or a command failed: still leave the group (unlinking what a dead rank 0 cannot)
+            try: handler.exit()
+            except Exception: pass
         receiver.close()  # at once, rather than when the finalizers run at the process's exit
 
 # %% ../../nbs/10_shm_ipc.ipynb #d68d38a3

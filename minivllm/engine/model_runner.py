@@ -50,11 +50,12 @@ class EngineArgs:
     cpu_kv_cache_fraction: float = 0.1  # CPU: fraction of available memory for the KV cache when no bytes given
     num_kvcache_blocks: int | None = None  # exactly this many blocks (tests use it to force preemption)
     timeout_s: float = 300.0  # how long a rank waits for the others in a collective before giving up
+    num_threads: int | None = None  # CPU: intra-op threads per rank; None: the cores this process may use / ranks
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
             _positive_int(name, getattr(self, name))
-        for name in ("max_model_len", "num_kvcache_blocks", "kv_cache_memory"):
+        for name in ("max_model_len", "num_kvcache_blocks", "kv_cache_memory", "num_threads"):
             if getattr(self, name) is not None: _positive_int(name, getattr(self, name))
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
@@ -186,8 +187,9 @@ class ModelRunner:
         if self.world_size > 1 and port is None and listener is None:
             raise ValueError("tensor_parallel_size > 1 needs the port of the group's rendezvous")
         self.config = Config.from_pretrained(args.model, tensor_parallel_size=self.world_size, dtype=args.dtype)
-        if args.device == "cpu" and self.world_size > 1:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+        if args.device == "cpu":
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            torch.set_num_threads(args.num_threads or max(1, cores // self.world_size))
         elif args.device == "cuda" and self.world_size == 1:
             torch.cuda.set_device(self.device)
         self.comm = None
