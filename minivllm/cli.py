@@ -6,61 +6,134 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from pathlib import Path
 
+import transformers
+
+from . import __version__
+from .config import Config, resolve_model
 from .distributed import RankFailure
 from .engine.scheduler import SamplingParams
-from .llm import LLM
+from .llm import DEFAULT_MODEL, LLM
 
 # %% auto #0
-__all__ = ['make_parser', 'main']
+__all__ = ['TOKENIZER_FILES', 'USER_ERRORS', 'check_tokenizer', 'OneLineErrorParser', 'make_parser', 'main']
 
 # %% ../nbs/15_cli.ipynb #d81c6a1f
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # any one of them: a tokenizer
+
+def check_tokenizer(folder: Path, chat: bool) -> None:
+    "Raise `ValueError`, before the model loads, if `folder` cannot encode text or (`chat`) has no chat template."
+    if not any((folder / name).exists() for name in TOKENIZER_FILES):
+        raise ValueError(f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), so it cannot encode "
+                         "text prompts: use a checkpoint folder that includes its tokenizer files")
+    if chat:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"the model at {folder} has no chat template, so --chat cannot wrap the prompts: drop "
+                             "--chat and write the prompt in the form the model was trained on, or use a chat model")
+
+# %% ../nbs/15_cli.ipynb #5dd80326
+class OneLineErrorParser(argparse.ArgumentParser):
+    "An `ArgumentParser` whose usage errors are one line, `minivllm: error: ...`, like the command's other errors."
+    def error(self, message: str):
+        self.exit(2, f"minivllm: error: {message} (see {self.prog} --help)\n")
+
+_SAMPLING_NOTE = ("The sampling defaults differ from SamplingParams' (temperature 1.0, top_p 1.0): 0.8 and 0.95 make "
+                  "the packaged model's text read better. Pass --temperature 1 --top-p 1 for SamplingParams' defaults.")
+
+def make_parser() -> argparse.ArgumentParser:
+    "The `minivllm` command line's parser."
+    parser = OneLineErrorParser(prog="minivllm", description="A small, readable LLM inference engine.")
+    parser.add_argument("--version", action="version", version=f"minivllm {__version__}",
+                        help="print minivllm's version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND",
+                                help="minivllm COMMAND --help describes each")
+    g = sub.add_parser("generate", help="complete prompts and print the completions",
+                       description="Complete each prompt and print it with its completion.", epilog=_SAMPLING_NOTE)
+    g.add_argument("prompts", nargs="+", help="one or more prompts, each one argument (quote prompts with spaces)")
+    g.add_argument("--model", default=None,
+                   help="a Hugging Face checkpoint folder, or a hub id such as Qwen/Qwen3-0.6B, taken from the "
+                        "local Hugging Face cache or downloaded (default: the packaged model)")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor_parallel_size: how many ranks to split the model over (default: %(default)s)")
+    g.add_argument("--max-tokens", type=int, default=64,
+                   help="the most tokens to generate for each prompt (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.8,
+                   help="sampling temperature, 0 = greedy (default: %(default)s; SamplingParams: 1.0)")
+    g.add_argument("--top-k", type=int, default=-1,
+                   help="sample among the k most likely tokens, -1 = off (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=0.95,
+                   help="sample among the fewest most likely tokens whose probability reaches p, 1 = off "
+                        "(default: %(default)s; SamplingParams: 1.0)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="makes sampling reproducible (default: none, a different text each run)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-sequence token (default: off)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the weights' dtype (default: the checkpoint's)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="the longest prompt + completion, in tokens "
+                        "(default: the model's max_position_embeddings, at most 4096)")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap each prompt in the model's chat template and print only the reply (default: off)")
+    g.add_argument("--quiet", action="store_true",
+                   help="no progress bar and no engine notices on stderr (default: off)")
+    # subtle: listed for --help only; main() hands `bench ...` to minivllm.bench unparsed: it has its own options
+    b = sub.add_parser("bench", add_help=False,
+                       help="throughput benchmark against transformers (minivllm bench --help)")
+    b.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's options (minivllm bench --help)")
+    return parser
+
+# %% ../nbs/15_cli.ipynb #44423495
 def _generate_command(a: argparse.Namespace) -> int:
     "`minivllm generate`: complete the prompts and print them with their completions."
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, max_tokens=a.max_tokens,
                             seed=a.seed, ignore_eos=a.ignore_eos)
-    with LLM(a.model, tensor_parallel_size=a.tp, dtype=a.dtype, max_model_len=a.max_model_len) as llm:
-        prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in a.prompts] if a.chat else a.prompts
-        outputs = llm.generate(prompts, params, use_tqdm=not a.quiet)
+    folder = resolve_model(a.model) if a.model is not None else DEFAULT_MODEL
+    if folder.exists():  # the checks that need no weights; a missing default model is left to LLM, which says so
+        Config.from_pretrained(folder, tensor_parallel_size=a.tp, dtype=a.dtype)
+        check_tokenizer(folder, a.chat)
+    engine_logger = logging.getLogger("minivllm")
+    level = engine_logger.level
+    if a.quiet:
+        engine_logger.setLevel(logging.WARNING)
+    try:
+        with LLM(folder, tensor_parallel_size=a.tp, dtype=a.dtype, max_model_len=a.max_model_len) as llm:
+            prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in a.prompts] if a.chat else a.prompts
+            outputs = llm.generate(prompts, params, use_tqdm=not a.quiet)
+    finally:
+        engine_logger.setLevel(level)  # subtle: main() may run in a longer-lived process (tests, notebooks)
     for prompt, out in zip(a.prompts, outputs):
         print(f"{prompt}{out.text}" if not a.chat else out.text)
         if len(outputs) > 1: print("-" * 40)
     return 0
 
-def make_parser() -> argparse.ArgumentParser:
-    "The `minivllm` command line's parser."
-    parser = argparse.ArgumentParser(prog="minivllm", description="A small, readable LLM inference engine.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="complete prompts and print the completions")
-    g.add_argument("prompts", nargs="+", help="one or more prompts")
-    g.add_argument("--model", default=None, help="a Hugging Face checkpoint folder (default: the packaged model)")
-    g.add_argument("--tp", type=int, default=1, help="tensor_parallel_size: ranks to split the model over")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
-    g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
-    g.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    g.add_argument("--quiet", action="store_true", help="no progress bar")
-    g.set_defaults(run=_generate_command)
-    b = sub.add_parser("bench", help="throughput benchmark against transformers (see minivllm.bench)")
-    b.set_defaults(run=lambda a: __import__("minivllm.bench", fromlist=["main"]).main(a.rest))
-    b.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (minivllm bench --help)")
-    return parser
+# the errors a user can cause; OSError covers FileNotFoundError, NotADirectoryError, PermissionError
+USER_ERRORS = (ValueError, TypeError, OSError, RankFailure, RuntimeError)
+
+def _one_line(error: BaseException) -> str:
+    "The first line of `error`'s message (its type's name if it has none)."
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 def main(argv: list[str] | None = None) -> int:
-    "Entry point of the `minivllm` command."
+    "Entry point of the `minivllm` command; returns the exit status (0 ok, 2 a user error, 130 interrupted)."
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv[:1] == ["bench"]:  # the benchmark parses its own options
             from minivllm.bench import main as bench_main
             return bench_main(argv[1:])
-        args = make_parser().parse_args(argv)
-        return args.run(args)
-    except (ValueError, FileNotFoundError, RankFailure) as e:
-        print(f"minivllm: error: {e}", file=sys.stderr)
+        try:
+            args = make_parser().parse_args(argv)
+        except SystemExit as e:  # --help, --version, or a usage error (already printed in one line)
+            return e.code if isinstance(e.code, int) else 0
+        return _generate_command(args)  # subtle: the one command left once `bench` has been handed over above
+    except USER_ERRORS as e:
+        print(f"minivllm: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("minivllm: interrupted", file=sys.stderr)
+        return 130

@@ -6,14 +6,16 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 # %% auto #0
-__all__ = ['SUPPORTED_ROPE_TYPES', 'SUPPORTED_MODEL_TYPES', 'rope_from_hf', 'parse_dtype', 'dtype_from_hf', 'valid_tp_sizes',
-           'check_tensor_parallel', 'Config']
+__all__ = ['SUPPORTED_ROPE_TYPES', 'SUPPORTED_MODEL_TYPES', 'INT_FIELDS', 'HUB_FILE_PATTERNS', 'rope_from_hf', 'parse_dtype',
+           'dtype_from_hf', 'valid_tp_sizes', 'check_tensor_parallel', 'is_positive_int', 'Config', 'resolve_model']
 
 # %% ../nbs/00_config.ipynb #ca7288cb
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -57,7 +59,7 @@ def valid_tp_sizes(num_attention_heads: int, num_key_value_heads: int, limit: in
 def check_tensor_parallel(num_attention_heads: int, num_key_value_heads: int, tensor_parallel_size: int) -> None:
     "Raise `ValueError` naming the problem and the valid sizes if the heads cannot be split `tensor_parallel_size` ways."
     tp, q, kv = tensor_parallel_size, num_attention_heads, num_key_value_heads
-    if not isinstance(tp, int) or tp < 1:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
     if q % kv != 0:
         raise ValueError(f"num_attention_heads={q} is not a multiple of num_key_value_heads={kv}: not a valid "
@@ -71,6 +73,12 @@ def check_tensor_parallel(num_attention_heads: int, num_key_value_heads: int, te
 
 # %% ../nbs/00_config.ipynb #a761bb52
 SUPPORTED_MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings")  # the sizes, each a positive integer
+
+def is_positive_int(value) -> bool:
+    "Whether `value` is an `int` >= 1; `True` is not (Python counts bools as ints)."
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 # %% ../nbs/00_config.ipynb #de3586ff
 @dataclass
@@ -104,10 +112,9 @@ class Config:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {self.model_type!r}: minivllm implements "
                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        for name in INT_FIELDS:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not is_positive_int(value):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}: minivllm implements silu (SwiGLU) MLPs")
@@ -139,19 +146,33 @@ class Config:
 
 # %% ../nbs/00_config.ipynb #7c25cfa4
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+def _default_if_none(value, default):
+    "`value`, or `default` when it is None (a field absent from, or `null` in, config.json)."
+    return default if value is None else value
 
 def _config_from_hf_dict(hf: dict, tensor_parallel_size: int = 1, dtype: str | torch.dtype | None = None,
                          path: Path | None = None) -> Config:
     "A `Config` from a parsed Hugging Face `config.json`."
     where = f"{path / 'config.json'}" if path else "config.json"
+    if not isinstance(hf, dict):
+        raise ValueError(f"{where} must hold a JSON object ({{\"model_type\": ..., \"hidden_size\": ..., ...}}), "
+                         f"but it holds {_JSON_KINDS.get(type(hf), type(hf).__name__)}: is it a Hugging Face config.json?")
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         archs = hf.get("architectures")
         raise ValueError(f"{where}: unsupported model_type {model_type!r} (architectures {archs}): minivllm "
                          f"implements {', '.join(f'{k} ({v})' for k, v in SUPPORTED_MODEL_TYPES.items())}")
-    missing = [k for k in _REQUIRED_KEYS if k not in hf]
+    missing = [k for k in _REQUIRED_KEYS if hf.get(k) is None]
     if missing:
         raise ValueError(f"{where} lacks the required fields {missing}")
+    for name in INT_FIELDS:  # subtle: before the defaults below divide by num_attention_heads or fall back on 0
+        value = hf.get(name)
+        if value is not None and not is_positive_int(value):
+            raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}: the file is damaged or "
+                             "not this model's config; fix the value or download config.json again")
     layer_types = set(hf.get("layer_types") or ["full_attention"])
     if hf.get("use_sliding_window") or layer_types != {"full_attention"}:
         raise ValueError(f"{where}: sliding-window attention is not supported by minivllm "
@@ -166,10 +187,10 @@ def _config_from_hf_dict(hf: dict, tensor_parallel_size: int = 1, dtype: str | t
         intermediate_size=hf["intermediate_size"],
         num_hidden_layers=hf["num_hidden_layers"],
         num_attention_heads=num_heads,
-        num_key_value_heads=hf.get("num_key_value_heads") or num_heads,
+        num_key_value_heads=_default_if_none(hf.get("num_key_value_heads"), num_heads),
         # subtle: Qwen3 stores head_dim explicitly and it need not equal hidden_size // heads.
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        head_dim=_default_if_none(hf.get("head_dim"), hf["hidden_size"] // num_heads),
+        max_position_embeddings=_default_if_none(hf.get("max_position_embeddings"), 2048),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -200,10 +221,59 @@ def _config_from_pretrained(path: str | Path, tensor_parallel_size: int = 1,
         raise FileNotFoundError(f"{path} has no config.json: is it a Hugging Face checkpoint folder? "
                                 "(expected config.json next to the *.safetensors files)")
     try:
-        hf = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file} is not valid JSON: {e}") from None
+        hf = json.loads(file.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:  # subtle: UnicodeDecodeError: binary junk, not text
+        raise ValueError(f"{file} is not valid JSON ({e}): download config.json again") from None
     return _config_from_hf_dict(hf, tensor_parallel_size, dtype, path)
 
 Config.from_hf_dict = staticmethod(_config_from_hf_dict)
 Config.from_pretrained = staticmethod(_config_from_pretrained)
+
+# %% ../nbs/00_config.ipynb #b56fdf21
+HUB_FILE_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+                     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                     "vocab.json", "merges.txt", "chat_template.jinja"]  # what minivllm reads from a hub model
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # org/name, as the hub spells repo ids
+
+def _env_flag(name: str) -> bool:
+    "Whether the environment variable `name` is set to a true value (1, on, yes, true), as huggingface_hub reads it."
+    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+def _first_line(error: BaseException) -> str:
+    "`Type: first line of the message`: an exception in one line."
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+def resolve_model(model: str | Path) -> Path:
+    "The checkpoint folder for `model`: an existing path as is, or a hub id `org/name` from the local cache or the hub."
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    repo_id = str(model)
+    if not _HUB_ID.fullmatch(repo_id) or "--" in repo_id or ".." in repo_id:
+        raise FileNotFoundError(f"checkpoint folder {path} does not exist: pass the folder that holds config.json "
+                                "and the *.safetensors files of a Hugging Face checkpoint, or a hub id such as "
+                                "Qwen/Qwen3-0.6B")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    # subtle: huggingface_hub reads HF_HUB_CACHE and HF_HUB_OFFLINE once, when it is imported; read them now instead.
+    cache_dir = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    try:
+        cached = Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=HUB_FILE_PATTERNS,
+                                        cache_dir=cache_dir))
+        # subtle: loading only the tokenizer (say, with transformers) caches a snapshot without weights.
+        if (cached / "config.json").is_file() and any(cached.glob("*.safetensors")):
+            return cached
+    except LocalEntryNotFoundError:
+        pass  # not cached: download it
+    if _env_flag("HF_HUB_OFFLINE") or _env_flag("TRANSFORMERS_OFFLINE"):
+        reason = "HF_HUB_OFFLINE is set"
+    else:
+        try:
+            return Path(snapshot_download(repo_id, allow_patterns=HUB_FILE_PATTERNS, cache_dir=cache_dir))
+        except Exception as e:  # no network, no such repo, a gated repo, a full disk: each is reported, in one line
+            reason = _first_line(e)
+    raise FileNotFoundError(f"no folder {path} exists, the Hugging Face model {repo_id} is not in the local cache "
+                            f"({cache_dir}), and it could not be downloaded ({reason}): run `hf download {repo_id}` "
+                            "(`huggingface-cli download` in older huggingface_hub) on a machine with internet and "
+                            "copy its cache folder here, or pass a local checkpoint folder")

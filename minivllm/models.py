@@ -169,14 +169,23 @@ def _needed_shards(params: dict, packed: dict) -> set[tuple[str, object]]:
         needed |= {(name, s) for s in shards}
     return needed
 
+def _unreadable(file: Path, error: Exception) -> ValueError:
+    "The error for a safetensors file that safetensors cannot read: name it in full, say what to do."
+    return ValueError(f"{file.absolute()} is corrupt or incomplete (e.g. a partial download): download it again "
+                      f"(safetensors says: {str(error).strip()})")
+
 def load_checkpoint(model: CausalLM, path: str | Path) -> None:
     "Load this rank's slices of every parameter of `model` from the safetensors files in `path`."
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     params = dict(model.named_parameters())  # subtle: a tied head shares the embedding's Parameter, listed once
     needed = _needed_shards(params, model.packed_modules_mapping)
     loaded = set()
     for file in checkpoint_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
+        try:  # subtle: safe_open checks the header and that the data covers every tensor, so truncation fails here
+            opened = safe_open(file, framework="pt", device="cpu")
+        except SafetensorError as e:
+            raise _unreadable(file, e) from None
+        with opened as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
@@ -189,8 +198,12 @@ def load_checkpoint(model: CausalLM, path: str | Path) -> None:
                 param = params[target]
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 try:
-                    if shard_id is None: loader(param, f.get_tensor(name))
-                    else: loader(param, f.get_tensor(name), shard_id)
+                    tensor = f.get_tensor(name)
+                except SafetensorError as e:  # e.g. a dtype this safetensors cannot read
+                    raise _unreadable(file, e) from None
+                try:
+                    if shard_id is None: loader(param, tensor)
+                    else: loader(param, tensor, shard_id)
                 except ValueError as e:
                     raise ValueError(f"{file.name}: tensor {name!r}: {e}") from None
                 loaded.add((target, shard_id))

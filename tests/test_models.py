@@ -156,3 +156,37 @@ def test_tp_that_does_not_divide_the_heads(checkpoints):
         from minivllm.models import build_model
         from minivllm.config import Config
         build_model(Config.from_pretrained(checkpoints["qwen3"]), comm=Communicator(0, 2))
+
+
+def corrupt_copy(src, dst, damage):
+    "A copy of checkpoint `src` at `dst` whose model.safetensors bytes went through `damage(bytes) -> bytes`."
+    shutil.copytree(src, dst)
+    weights = dst / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    return weights
+
+
+@pytest.mark.parametrize("damage", [lambda b: b[: len(b) // 2], lambda b: b[:-1], lambda b: b"",
+                                    lambda b: torch.randint(0, 256, (5000,), generator=torch.Generator().manual_seed(0))
+                                    .to(torch.uint8).numpy().tobytes()],
+                         ids=["truncated-half", "truncated-by-one-byte", "empty", "random-bytes"])
+def test_unreadable_safetensors_file_is_named_with_the_fix(checkpoints, tmp_path, damage):
+    weights = corrupt_copy(checkpoints["qwen3"], tmp_path / "ckpt", damage)
+    with pytest.raises(ValueError) as e:
+        load_model(tmp_path / "ckpt")
+    message = str(e.value)
+    assert message.startswith(f"{weights.absolute()} is corrupt or incomplete (e.g. a partial download)"), message
+    assert "download it again" in message and "safetensors says:" in message
+
+
+def test_tensor_that_safetensors_cannot_read_names_the_file(checkpoints, tmp_path):
+    "A well-formed header whose tensor has a dtype safetensors cannot hand to torch: get_tensor fails, not safe_open."
+    import struct
+    shutil.copytree(checkpoints["qwen3"], tmp_path / "ckpt")
+    weights = tmp_path / "ckpt" / "model.safetensors"
+    header = json.dumps({"model.norm.weight": {"dtype": "F6_E2M3", "shape": [64], "data_offsets": [0, 48]}}).encode()
+    header += b" " * (-len(header) % 8)
+    weights.write_bytes(struct.pack("<Q", len(header)) + header + bytes(48))
+    with pytest.raises(ValueError, match="is corrupt or incomplete .* download it again") as e:
+        load_model(tmp_path / "ckpt")
+    assert str(weights.absolute()) in str(e.value)

@@ -1,0 +1,170 @@
+"""The `minivllm` command line, in this process (`main([...])`) and as a real `python -m minivllm` process: help with
+defaults, one-line errors with exit status 2, Ctrl-C, --quiet."""
+import logging
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from minivllm import __version__
+from minivllm.cli import main
+from minivllm.llm import DEFAULT_MODEL
+from minivllm.models import make_tiny_checkpoint
+from proc_helpers import default_sigint, gone, rank_processes, wait_until
+
+OPTIONS = ("--model", "--tp", "--max-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--ignore-eos", "--dtype",
+           "--max-model-len", "--chat", "--quiet")
+
+
+@pytest.fixture(scope="module")
+def hub_env(tmp_path_factory):
+    "The environment of a child `minivllm`: an empty Hugging Face cache and the hub off, so nothing goes online."
+    cache = tmp_path_factory.mktemp("hf-cache")
+    return {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+
+
+def spawn_cli(*args, env, **kwargs) -> subprocess.Popen:
+    "Start `python -m minivllm ARGS`, its output captured as text."
+    return subprocess.Popen([sys.executable, "-m", "minivllm", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, **kwargs)
+
+
+def assert_one_error_line(status: int, stderr: str):
+    "Exit status 2, and stderr exactly one line `minivllm: error: ...` with no traceback."
+    assert status == 2, stderr
+    assert stderr.startswith("minivllm: error: ") and stderr.count("\n") == 1 and stderr.endswith("\n"), stderr
+    assert "Traceback" not in stderr
+
+
+# --- one-line errors ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory):
+    "Each mistake a user can make -> (argv, a phrase its error line must contain)."
+    root = tmp_path_factory.mktemp("bad")
+    not_an_object = root / "not-an-object"
+    not_an_object.mkdir()
+    (not_an_object / "config.json").write_text("[1, 2, 3]")
+    corrupt = root / "corrupt"
+    shutil.copytree(DEFAULT_MODEL, corrupt)
+    weights = corrupt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    tiny = make_tiny_checkpoint(root / "tiny")
+    return {
+        "missing folder": (["generate", "hi", "--model", str(root / "nowhere")], "does not exist"),
+        "hub id not cached": (["generate", "hi", "--model", "org/not-cached"], "is not in the local cache"),
+        "config not an object": (["generate", "hi", "--model", str(not_an_object)], "must hold a JSON object"),
+        "tp 3 for 4 heads": (["generate", "hi", "--tp", "3"], "tensor_parallel_size=3 does not divide"),
+        "negative temperature": (["generate", "hi", "--temperature", "-1"], "temperature must be"),
+        "corrupt safetensors": (["generate", "hi", "--model", str(corrupt), "--quiet"], "is corrupt or incomplete"),
+        "chat without template": (["generate", "hi", "--chat"], "has no chat template"),
+        "no tokenizer": (["generate", "hi", "--model", str(tiny)], "has no tokenizer"),
+        "usage error": (["generate", "hi", "--tp", "two"], "invalid int value"),
+    }
+
+
+CASES = ["missing folder", "hub id not cached", "config not an object", "tp 3 for 4 heads", "negative temperature",
+         "corrupt safetensors", "chat without template", "no tokenizer", "usage error"]
+CHILD_CASES = ["missing folder", "config not an object", "tp 3 for 4 heads", "negative temperature", "corrupt safetensors",
+               "chat without template"]
+
+
+@pytest.fixture(scope="module")
+def bad_input_children(bad_inputs, hub_env):
+    "Started by the first test and checked by the last ones: real `python -m minivllm` runs (seconds of imports each)."
+    children = {name: spawn_cli(*bad_inputs[name][0], env=hub_env) for name in CHILD_CASES}
+    yield children
+    for child in children.values():
+        if child.poll() is None: child.kill()
+        child.communicate()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_error_line_in_process(case, bad_inputs, bad_input_children, capsys, monkeypatch, hub_env):
+    monkeypatch.setenv("HF_HUB_CACHE", hub_env["HF_HUB_CACHE"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    argv, phrase = bad_inputs[case]
+    status = main(argv)
+    out, err = capsys.readouterr()
+    assert_one_error_line(status, err)
+    assert phrase in err and out == ""
+
+
+# --- help --------------------------------------------------------------------------------------------------------------
+
+def test_help_describes_every_option_with_its_default(capsys, hub_env):
+    assert main(["generate", "--help"]) == 0
+    in_process = capsys.readouterr().out
+    child = subprocess.run([sys.executable, "-m", "minivllm", "generate", "--help"], capture_output=True, text=True,
+                           env=hub_env, timeout=60)
+    assert child.returncode == 0 and child.stdout == in_process
+    flat = " ".join(in_process.split())
+    for option in OPTIONS:
+        assert option in flat, option
+    assert flat.count("(default:") == len(OPTIONS)
+    for default in ("(default: 0.8; SamplingParams: 1.0)", "(default: 0.95; SamplingParams: 1.0)", "(default: 64)",
+                    "(default: -1)", "(default: 1)"):
+        assert default in flat, default
+    assert "SamplingParams' (temperature 1.0, top_p 1.0)" in flat
+
+
+def test_top_level_help_and_version(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "generate" in out and "bench" in out and "--version" in out
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"minivllm {__version__}\n"
+
+
+# --- Ctrl-C and --quiet ------------------------------------------------------------------------------------------------
+
+def test_sigint_during_generation_exits_130_and_stops_the_ranks(hub_env):
+    child = spawn_cli("generate", "ROMEO.", "--tp", "2", "--max-tokens", "1000", "--ignore-eos", "--seed", "0",
+                      env=hub_env, preexec_fn=default_sigint)
+    try:
+        stderr, deadline = "", time.monotonic() + 120  # generous: a loaded machine starts ranks slowly
+        while "generate:" not in stderr and time.monotonic() < deadline:  # the progress bar: generation has begun
+            if select.select([child.stderr], [], [], 1.0)[0]:
+                stderr += os.read(child.stderr.fileno(), 65536).decode()
+        assert "generate:" in stderr, stderr
+        ranks = rank_processes(child.pid)
+        assert ranks, "expected a worker rank at --tp 2"
+        time.sleep(0.5)  # a few decode steps in
+        child.send_signal(signal.SIGINT)
+        out, rest = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    stderr += rest
+    assert child.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr and stderr.count("interrupted") == 1, stderr[-2000:]
+    assert stderr.splitlines()[-1].split("\r")[-1].endswith("minivllm: interrupted"), stderr[-2000:]
+    assert wait_until(lambda: all(gone(pid) for pid in ranks), 10), f"rank processes left: {ranks}"
+
+
+def test_quiet_prints_nothing_on_stderr(capsys, hub_env):
+    child = spawn_cli("generate", "ROMEO.", "--tp", "2", "--max-tokens", "4", "--seed", "0", "--quiet", env=hub_env)
+    engine_logger = logging.getLogger("minivllm")
+    level = engine_logger.level
+    assert main(["generate", "ROMEO.", "--max-tokens", "4", "--seed", "0", "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.startswith("ROMEO.")
+    assert engine_logger.level == level  # restored after the run
+    (child_out, child_err), status = child.communicate(timeout=120), child.returncode
+    assert status == 0 and child_err == "" and child_out.startswith("ROMEO."), child_err
+
+
+# --- the same bad inputs, in real processes -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", CHILD_CASES)
+def test_bad_input_is_one_error_line_in_a_child(case, bad_inputs, bad_input_children):
+    child = bad_input_children[case]
+    out, err = child.communicate(timeout=120)
+    assert_one_error_line(child.returncode, err)
+    assert bad_inputs[case][1] in err and out == ""
