@@ -17,6 +17,7 @@ from typing import Iterable, Sequence as Seq
 import transformers
 from tqdm.auto import tqdm
 
+from .config import resolve_model
 from .distributed import RankFailure, listen_socket
 from .engine.block_manager import BlockManager
 from .engine.ipc import ShmCommandChannel
@@ -41,7 +42,7 @@ class RequestOutput:
         shown = self.text if self.text is not None else self.token_ids
         return f"RequestOutput({shown!r}, finish_reason={self.finish_reason!r}, {len(self.token_ids)} tokens)"
 
-# %% ../nbs/13_llm.ipynb #c1240b25
+# %% ../nbs/13_llm.ipynb #aa745e1d
 class _StderrHandler(logging.Handler):
     "Writes each record to the current `sys.stderr` (which notebooks and test runners replace), as `minivllm: ...`."
     def emit(self, record: logging.LogRecord) -> None:
@@ -80,10 +81,10 @@ class LLM:
     def __init__(self, model: str | Path | None = None, tensor_parallel_size: int = 1, dtype: str | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  kvcache_block_size: int = 16, enforce_eager: bool = False, seed: int = 0, **engine_kwargs):
-        model = Path(model) if model is not None else DEFAULT_MODEL
-        if not model.exists():
-            raise FileNotFoundError(f"no model folder at {model}" + ("" if model != DEFAULT_MODEL else
-                                    ": the package's default model is missing; pass model=PATH to a checkpoint folder"))
+        if model is None and not DEFAULT_MODEL.exists():
+            raise FileNotFoundError(f"the package's default model is missing from {DEFAULT_MODEL}: reinstall minivllm, "
+                                    "or pass model=PATH to a checkpoint folder")
+        model = resolve_model(model) if model is not None else DEFAULT_MODEL  # a folder, or a hub id (notebook 00)
         args = EngineArgs(model, tensor_parallel_size, dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
                           kvcache_block_size, enforce_eager, seed, **engine_kwargs)
         self.config = args.model_config()  # checks the checkpoint and the TP size before any process starts

@@ -165,7 +165,7 @@ def test_cuda_without_a_gpu_is_a_clear_error(tiny):
 
 
 def test_missing_checkpoint_files(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no model folder"):
+    with pytest.raises(FileNotFoundError, match="nowhere does not exist"):
         LLM(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
     with pytest.raises((FileNotFoundError, ValueError), match="config.json"):
