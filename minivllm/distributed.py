@@ -39,7 +39,7 @@ def divide(numerator: int, denominator: int, what: str = "value") -> int:
                          f"choose a tensor-parallel size that divides {numerator}")
     return numerator // denominator
 
-# %% ../nbs/01_distributed.ipynb #02a0ac6d
+# %% ../nbs/01_distributed.ipynb #d0416600
 class Communicator:
     "A rank's place in its tensor-parallel group (`rank` of `world_size`) and the collectives a layer may call."
     def __init__(self, rank: int = 0, world_size: int = 1):
@@ -82,7 +82,7 @@ class Communicator:
     def __exit__(self, *exc): self.close()
     def __repr__(self): return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
 
-# %% ../nbs/01_distributed.ipynb #25e0f9de
+# %% ../nbs/01_distributed.ipynb #1ff7a8e0
 class CountingCommunicator(Communicator):
     "Passes every collective on to `comm` and counts them by name in `counts`."
     def __init__(self, comm: Communicator):
@@ -95,7 +95,7 @@ class CountingCommunicator(Communicator):
     def broadcast(self, x, src=0): self.counts["broadcast"] += 1; return self.comm.broadcast(x, src)
     def barrier(self): self.counts["barrier"] += 1; self.comm.barrier()
 
-# %% ../nbs/01_distributed.ipynb #b060e673
+# %% ../nbs/01_distributed.ipynb #6e7f05d1
 _BOOTSTRAP = ("import pickle, sys; path, payload = pickle.loads(sys.stdin.buffer.read()); sys.path[:] = path; "
               "from minivllm.distributed import _rank_process_main; _rank_process_main(payload)")
 
@@ -118,7 +118,7 @@ def _rank_process_main(payload: bytes) -> None:
     fn, args, kwargs = pickle.loads(payload)
     fn(*args, **kwargs)
 
-# %% ../nbs/01_distributed.ipynb #3f1811c9
+# %% ../nbs/01_distributed.ipynb #80893f43
 def describe_exit(exitcode: int | None) -> str:
     "How a process ended, in words. Example: `-9` -> `died with exit code -9 (killed by SIGKILL)`."
     if exitcode is None:
@@ -469,8 +469,8 @@ class ProcessGroupCommunicator(Communicator):
 
 # %% ../nbs/01_distributed.ipynb #926e9fe5
 def _send_result(fd: int, message) -> None:
-    "Write one length-prefixed pickle to the pipe `fd`."
-    data = pickle.dumps(message)
+    "Write one length-prefixed pickle to the pipe `fd` (cloudpickle: a result may be of a class defined in a notebook)."
+    data = cloudpickle.dumps(message)
     data = struct.pack("<Q", len(data)) + data
     while data:
         data = data[os.write(fd, data):]
