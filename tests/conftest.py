@@ -1,11 +1,12 @@
-"""Shared pytest setup: the repository paths and a guard that no rank process outlives a test."""
+"""Shared pytest setup: the repository paths and a guard that no rank process and no shared-memory segment outlives a
+test."""
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from proc_helpers import rank_processes
+from proc_helpers import leftover_segments, rank_processes, shm_segments
 
 # subtle: Triton reads this when a kernel is defined (at the first import of minivllm.kv_cache), so it must be set
 # before any test module imports minivllm; on CPU the kernels then run in Triton's interpreter.
@@ -17,8 +18,11 @@ NBS = ROOT / "nbs"
 
 
 @pytest.fixture(autouse=True)
-def no_leftover_ranks():
-    "Fail a test that leaves a rank process of its own running."
+def nothing_left_behind():
+    "Fail a test that leaves a rank process of its own running, or a segment of its own in /dev/shm."
+    before = shm_segments()
     yield
     alive = rank_processes(os.getpid())
     assert not alive, f"rank processes left running: {alive}"
+    left = leftover_segments(before, os.getpid())
+    assert not left, f"shared-memory segments left in /dev/shm: {left}"

@@ -39,3 +39,19 @@ def rank_processes(parent: int) -> list[int]:
         if int(fields[1]) == parent and fields[0] != "Z" and b"_rank_process_main" in cmdline:
             found.append(int(stat.parent.name))
     return found
+
+
+def shm_segments() -> set[str]:
+    "Names of minivllm's shared-memory segments in /dev/shm (`minivllm-<creator pid>-<hex>`)."
+    from minivllm.shm_allreduce import SEGMENT_PREFIX
+    return {p.name for p in Path("/dev/shm").glob(f"{SEGMENT_PREFIX}*")}
+
+
+def leftover_segments(before: set[str], pid: int) -> list[str]:
+    "Segments not in `before` that are left behind: created by `pid` itself, or by a process that has exited."
+    left = []
+    for name in sorted(shm_segments() - before):
+        creator = name.split("-")[1]
+        if creator.isdigit() and (int(creator) == pid or gone(int(creator))):
+            left.append(name)
+    return left

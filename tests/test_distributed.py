@@ -8,6 +8,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,8 +89,9 @@ def killed_rank(comm):
     comm.all_reduce(torch.ones(1))
 
 
-def frozen_rank(comm):
+def frozen_rank(comm, stopped_at: Path | None = None):
     if comm.rank == 1:
+        if stopped_at is not None: stopped_at.write_text(repr(time.monotonic()))  # subtle: CLOCK_MONOTONIC is system-wide
         os.kill(os.getpid(), signal.SIGSTOP)
     comm.all_reduce(torch.ones(1))
 
@@ -109,12 +111,12 @@ def test_failures_are_reported_and_nothing_survives():
     assert time.monotonic() - t0 < 60  # no failure waits for a collective's own (long) timeout
 
 
-def test_a_frozen_rank_is_named_within_seconds():
+def test_a_frozen_rank_is_named_within_seconds(tmp_path):
     "A SIGSTOPped rank costs seconds, not gloo's timeout: its peer names it."
-    t0 = time.monotonic()
+    stopped_at = tmp_path / "stopped_at"
     with pytest.raises(RankFailure, match=r"rank 1 \(pid \d+\) has been stopped \(SIGSTOP or a debugger\)"):
-        run_on_ranks(frozen_rank, 2)
-    assert time.monotonic() - t0 < 10
+        run_on_ranks(frozen_rank, 2, stopped_at)
+    assert time.monotonic() - float(stopped_at.read_text()) < 10  # from the freeze, not from the ranks' start-up
 
 
 def test_process_state():
