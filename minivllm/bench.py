@@ -20,7 +20,7 @@ from .engine.scheduler import SamplingParams
 
 # %% auto #0
 __all__ = ['SHAPES', 'Workload', 'Result', 'bench_minivllm', 'bench_transformers', 'format_table', 'random_checkpoint', 'main',
-           'allreduce_main']
+           'allreduce_main', 'device_name']
 
 # %% ../nbs/14_benchmark.ipynb #d6560c63
 @dataclass
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             if runs[k][0].tensor_parallel_size > 1:
                 print(f"{k}: {ours[k] / ours[best]:.2f}x the best TP=1 ({best})")
     if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a) | {"model": str(model)}, "device": _device_name(),
+        Path(a.json).write_text(json.dumps({"args": vars(a) | {"model": str(model)}, "device": device_name(),
                                             "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s, "label": k}
                                                         for k, rs in runs.items() for r in rs]}, indent=1))
     return 0
@@ -231,7 +231,7 @@ def allreduce_main(argv: list[str] | None = None) -> int:
           f"shared memory {one:.0f} µs one-shot, {two:.0f} µs two-shot: {gloo / min(one, two):.1f}x faster than gloo")
     return 0
 
-def _device_name() -> str:
+def device_name() -> str:
     "The GPU's name, or the CPU's model and core count."
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
