@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import operator
 import os
 import re
 from dataclasses import dataclass
@@ -15,7 +16,8 @@ import torch
 
 # %% auto #0
 __all__ = ['SUPPORTED_ROPE_TYPES', 'SUPPORTED_MODEL_TYPES', 'INT_FIELDS', 'HUB_FILE_PATTERNS', 'rope_from_hf', 'parse_dtype',
-           'dtype_from_hf', 'valid_tp_sizes', 'check_tensor_parallel', 'is_positive_int', 'Config', 'resolve_model']
+           'dtype_from_hf', 'valid_tp_sizes', 'check_tensor_parallel', 'is_int', 'is_positive_int',
+           'check_positive_int', 'Config', 'resolve_model']
 
 # %% ../nbs/00_config.ipynb #ca7288cb
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -76,9 +78,22 @@ SUPPORTED_MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM
 INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "max_position_embeddings")  # the sizes, each a positive integer
 
+def is_int(value) -> bool:
+    "Whether `value` is an integer: a Python or NumPy int (anything `operator.index` takes), not a bool."
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return not isinstance(value, bool)
+
 def is_positive_int(value) -> bool:
-    "Whether `value` is an `int` >= 1; `True` is not (Python counts bools as ints)."
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    "Whether `value` is an integer >= 1; `True` is not (Python counts bools as ints)."
+    return is_int(value) and value >= 1
+
+def check_positive_int(name: str, value) -> None:
+    "Raise `ValueError` naming `name` unless `value` is an integer >= 1."
+    if not is_positive_int(value):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 # %% ../nbs/00_config.ipynb #de3586ff
 @dataclass

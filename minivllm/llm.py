@@ -17,12 +17,12 @@ from typing import Iterable, Sequence as Seq
 import transformers
 from tqdm.auto import tqdm
 
-from .config import resolve_model
+from .config import is_int, resolve_model
 from .distributed import RankFailure, listen_socket
 from .engine.block_manager import BlockManager
 from .engine.ipc import ShmCommandChannel
 from .engine.model_runner import EngineArgs, ModelRunner, SamplingInputs, StepInputs
-from .engine.scheduler import SamplingParams, Scheduler, Sequence, _is_int, check_token_ids
+from .engine.scheduler import SamplingParams, Scheduler, Sequence, check_token_ids
 
 # %% auto #0
 __all__ = ['logger', 'DEFAULT_MODEL', 'RequestOutput', 'LLM', 'add_request', 'step', 'generate', 'apply_chat_template', 'chat']
@@ -147,7 +147,7 @@ def _prompt_ids(self: LLM, prompt) -> tuple[str | None, list[int]]:
         return prompt, self.tokenizer.encode(prompt)
     if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):  # a NumPy array or a torch tensor
         prompt = prompt.tolist()
-    if _is_int(prompt) or not hasattr(prompt, "__iter__"):
+    if is_int(prompt) or not hasattr(prompt, "__iter__"):
         raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__} {prompt!r}")
     return None, check_token_ids(prompt)  # ints, NumPy ints and the like become Python ints; anything else is refused
 

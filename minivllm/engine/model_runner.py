@@ -15,9 +15,9 @@ import socket
 
 import torch
 
-from ..config import Config
+from ..config import Config, check_positive_int, is_int
 from ..shm_allreduce import make_communicator
-from .scheduler import ScheduledBatch, _is_int
+from .scheduler import ScheduledBatch
 from ..kv_cache import allocate_kv_cache, decode_metadata, kv_cache_bytes_per_block, prefill_metadata
 from ..layers.common import GREEDY_TEMPERATURE, Sampler
 from ..models import build_model, load_checkpoint
@@ -27,11 +27,6 @@ __all__ = ['EngineArgs', 'StepInputs', 'SamplingInputs', 'available_memory_bytes
            'blocks_for_budget', 'ModelRunner', 'run_until_done']
 
 # %% ../../nbs/11_model_runner.ipynb #a6f39f7a
-def _positive_int(name: str, value) -> None:
-    "Raise `ValueError` unless `value` is an integer >= 1."
-    if not _is_int(value) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
 @dataclass
 class EngineArgs:
     "Everything a rank needs to build its runner: the model, the parallel layout, the limits and the KV-cache budget."
@@ -54,10 +49,10 @@ class EngineArgs:
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
-            _positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         for name in ("max_model_len", "num_kvcache_blocks", "kv_cache_memory", "num_threads"):
-            if getattr(self, name) is not None: _positive_int(name, getattr(self, name))
-        if not _is_int(self.seed):
+            if getattr(self, name) is not None: check_positive_int(name, getattr(self, name))
+        if not is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
@@ -211,7 +206,7 @@ class ModelRunner:
     def _build(self) -> None:
         "Build and load the model shard, warm up, agree on the KV-cache size, allocate it (and capture graphs)."
         args, rank = self.args, self.rank
-        self.max_model_len = args.max_model_len or min(self.config.max_position_embeddings, 4096)
+        self.max_model_len = args.resolved(self.config).max_model_len  # subtle: the one default, in `resolved`
         self.model = build_model(self.config, self.device, self.comm)
         load_checkpoint(self.model, args.model)
         self.model.eval()

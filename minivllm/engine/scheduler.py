@@ -8,26 +8,18 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-import operator
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
+from ..config import check_positive_int, is_int
 from .block_manager import BlockManager
 
 # %% auto #0
 __all__ = ['SamplingParams', 'SequenceStatus', 'check_token_ids', 'Sequence', 'ScheduledBatch', 'Scheduler']
 
 # %% ../../nbs/09_scheduler.ipynb #8b0eac52
-def _is_int(value) -> bool:
-    "Whether `value` is an integer (a Python or NumPy int, not a bool)."
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return not isinstance(value, bool)
-
 @dataclass
 class SamplingParams:
     "How to choose each next token of a request, and when to stop."
@@ -46,17 +38,17 @@ class SamplingParams:
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
-        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+        if not is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        if self.seed is not None and not _is_int(self.seed):
+        if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         stop = self.stop_token_ids
         stop = tuple(stop) if isinstance(stop, Iterable) and not isinstance(stop, (str, bytes)) else None
-        if stop is None or not all(_is_int(t) and t >= 0 for t in stop):
+        if stop is None or not all(is_int(t) and t >= 0 for t in stop):
             raise ValueError(f"stop_token_ids must be a sequence of token ids (integers >= 0), got {self.stop_token_ids!r}")
         self.stop_token_ids = tuple(int(t) for t in stop)
 
@@ -74,7 +66,7 @@ def check_token_ids(token_ids: Iterable[int], what: str = "prompt") -> list[int]
     ids = list(token_ids)
     if not ids:
         raise ValueError(f"the {what} is empty: it needs at least one token")
-    bad = [t for t in ids if not _is_int(t) or t < 0]
+    bad = [t for t in ids if not is_int(t) or t < 0]
     if bad:
         raise ValueError(f"the {what} must hold token ids (integers >= 0), got {bad[:5]!r}")
     return [int(t) for t in ids]
@@ -160,8 +152,7 @@ class Scheduler:
                  max_model_len: int = 4096, eos_token_ids: Iterable[int] = ()):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_positive_int(name, value)
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
                              f"({max_num_seqs}): a decode step computes one token for each running sequence")
@@ -284,7 +275,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != computed:
                 raise RuntimeError(f"sequence {seq.seq_id} changed since this batch was scheduled: call postprocess "
                                    "exactly once for each batch, before the next schedule()")
-            if samples and (not _is_int(token) or token < 0):
+            if samples and (not is_int(token) or token < 0):
                 raise ValueError(f"the token sampled for sequence {seq.seq_id} must be a token id (an integer >= 0), "
                                  f"got {token!r}")
         finished = []  # checked everything first: a bad call changes nothing
