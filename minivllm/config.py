@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['SUPPORTED_ROPE_TYPES', 'SUPPORTED_MODEL_TYPES', 'INT_FIELDS', 'HUB_FILE_PATTERNS', 'rope_from_hf', 'parse_dtype',
-           'dtype_from_hf', 'valid_tp_sizes', 'check_tensor_parallel', 'is_int', 'is_positive_int',
+__all__ = ['SUPPORTED_ROPE_TYPES', 'SUPPORTED_MODEL_TYPES', 'INT_FIELDS', 'HUB_FILE_PATTERNS', 'rope_from_hf', 'rope_type',
+           'parse_dtype', 'dtype_from_hf', 'valid_tp_sizes', 'check_tensor_parallel', 'is_int', 'is_positive_int',
            'check_positive_int', 'Config', 'resolve_model']
 
 # %% ../nbs/00_config.ipynb #ca7288cb
@@ -34,6 +34,13 @@ def rope_from_hf(hf: dict) -> tuple[float, dict | None]:
     if scaling.get("rope_type", "default") == "default":
         return theta, None
     return theta, scaling
+
+def rope_type(rope_scaling: dict | None) -> str:
+    "The rope type named by `rope_scaling` ('default' for None), or `ValueError` if minivllm does not implement it."
+    name = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    if name not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope scaling {name!r}: minivllm implements {SUPPORTED_ROPE_TYPES}")
+    return name
 
 # %% ../nbs/00_config.ipynb #dcd4ddef
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
@@ -133,9 +140,7 @@ class Config:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}: minivllm implements silu (SwiGLU) MLPs")
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"unsupported rope scaling {rope_type!r}: minivllm implements {SUPPORTED_ROPE_TYPES}")
+        rope_type(self.rope_scaling)
         check_tensor_parallel(self.num_attention_heads, self.num_key_value_heads, self.tensor_parallel_size)
 
     @property

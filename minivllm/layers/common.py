@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import SUPPORTED_ROPE_TYPES, Config
+from ..config import Config, rope_type
 
 # %% auto #0
 __all__ = ['GREEDY_TEMPERATURE', 'RMSNorm', 'SiluAndMul', 'rope_inv_freq', 'checked_cos_sin', 'RotaryEmbedding', 'get_rope',
@@ -57,20 +57,13 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 # %% ../../nbs/05_layers.ipynb #84fd8a41
-def _rope_type(rope_scaling: dict | None) -> str:
-    "The rope type named by `rope_scaling` ('default' for None), or `ValueError` if minivllm does not implement it."
-    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope scaling {rope_type!r}: minivllm implements {SUPPORTED_ROPE_TYPES}")
-    return rope_type
-
 def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None = None) -> torch.Tensor:
     "The `head_dim/2` rotation frequencies θᵢ in float32, plain or Llama 3.1-scaled, as transformers computes them."
     if head_dim % 2:
         raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
     # subtle: the same float32 operations, in the same order, as transformers, so the angles match bit for bit.
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if _rope_type(rope_scaling) == "default":
+    if rope_type(rope_scaling) == "default":
         return inv_freq
     factor, low, high = rope_scaling["factor"], rope_scaling["low_freq_factor"], rope_scaling["high_freq_factor"]
     old_context = rope_scaling["original_max_position_embeddings"]
@@ -157,7 +150,7 @@ def _shared_rope(head_dim: int, max_position: int, base: float, scaling: tuple |
 def get_rope(config: Config) -> RotaryEmbedding:
     "The rotary embedding for `config`, built once and shared by every layer that asks for the same one."
     scaling = config.rope_scaling
-    _rope_type(scaling)  # a clear error before hashing an unsupported config
+    rope_type(scaling)  # a clear error before hashing an unsupported config
     key = tuple(sorted(scaling.items())) if scaling else None
     return _shared_rope(config.head_dim, config.max_position_embeddings, float(config.rope_theta), key,
                         str(torch.get_default_device()))
