@@ -70,8 +70,8 @@ def check_tensor_parallel(num_attention_heads: int, num_key_value_heads: int, te
     tp, q, kv = tensor_parallel_size, num_attention_heads, num_key_value_heads
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-    if q % kv != 0:
-        raise ValueError(f"num_attention_heads={q} is not a multiple of num_key_value_heads={kv}: not a valid "
+    if q < 1 or kv < 1 or q % kv != 0:
+        raise ValueError(f"num_attention_heads={q} is not a positive multiple of num_key_value_heads={kv}: not a valid "
                          "grouped-query attention model")
     hint = f"; valid tensor_parallel_size values for this model: {valid_tp_sizes(q, kv)}"
     if q % tp != 0:

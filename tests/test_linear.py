@@ -338,12 +338,12 @@ def test_every_valid_gqa_split_keeps_attention_local():
 # ---------------------------------------------------------------- bad input: clear ValueErrors
 
 @params("nq,nkv,tp,match", [
-    (14, 14, 4, r"num_attention_heads=14 and num_key_value_heads=14 cannot be split over tensor-parallel size 4.*"
-                r"TP sizes that work: 1, 2, 7, 14"),
-    (14, 2, 4, r"num_attention_heads=14 and num_key_value_heads=2 .* size 4.* TP sizes that work: 1, 2, 14"),
-    (6, 3, 2, r"num_attention_heads=6 and num_key_value_heads=3 .* size 2.* TP sizes that work: 1, 3, 6"),
-    (32, 8, 3, r"size 3: it must divide num_attention_heads, and divide num_key_value_heads or be a multiple"),
-    (8, 2, 16, r"size 16.* TP sizes that work: 1, 2, 4, 8"),
+    (14, 14, 4, r"tensor_parallel_size=4 does not divide num_attention_heads=14; "
+                r"valid tensor_parallel_size values for this model: \[1, 2, 7, 14\]"),
+    (14, 2, 4, r"tensor_parallel_size=4 does not divide num_attention_heads=14; .*: \[1, 2, 14\]"),
+    (6, 3, 2, r"tensor_parallel_size=2 neither divides num_key_value_heads=3 nor is a multiple of it.*: \[1, 3, 6\]"),
+    (32, 8, 3, r"tensor_parallel_size=3 does not divide num_attention_heads=32"),
+    (8, 2, 16, r"tensor_parallel_size=16 does not divide num_attention_heads=8; .*: \[1, 2, 4, 8\]"),
     (4, 3, 2, r"num_attention_heads=4 is not a positive multiple of num_key_value_heads=3"),
 ])
 def test_qkv_heads_that_do_not_split(nq, nkv, tp, match):

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import check_tensor_parallel
 from ..distributed import Communicator, divide
 
 # %% auto #0
@@ -143,15 +144,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 # %% ../../nbs/03_parallel_linear.ipynb #7fce1e2d
 def heads_per_rank(total_num_heads: int, total_num_kv_heads: int, tp_size: int) -> tuple[int, int, int]:
     "Per-rank `(num_heads, num_kv_heads, num_kv_head_replicas)` of GQA over `tp_size` ranks. Example: `(32, 8, 4)` -> `(8, 2, 1)`."
-    if total_num_heads < 1 or total_num_kv_heads < 1 or total_num_heads % total_num_kv_heads:
-        raise ValueError(f"num_attention_heads={total_num_heads} is not a positive multiple of num_key_value_heads="
-                         f"{total_num_kv_heads}: grouped-query attention needs the same number of query heads per KV head")
-    works = [t for t in range(1, total_num_heads + 1)
-             if total_num_heads % t == 0 and (total_num_kv_heads % t == 0 or t % total_num_kv_heads == 0)]
-    if tp_size not in works:
-        raise ValueError(f"num_attention_heads={total_num_heads} and num_key_value_heads={total_num_kv_heads} cannot be "
-                         f"split over tensor-parallel size {tp_size}: it must divide num_attention_heads, and divide "
-                         f"num_key_value_heads or be a multiple of it. TP sizes that work: {', '.join(map(str, works))}")
+    check_tensor_parallel(total_num_heads, total_num_kv_heads, tp_size)  # the rule, and its errors, of notebook 00
     if tp_size <= total_num_kv_heads:
         return total_num_heads // tp_size, total_num_kv_heads // tp_size, 1
     # subtle: more ranks than KV heads: each KV head goes whole to tp_size // total_num_kv_heads consecutive ranks.
