@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import AttentionMetadata
+from ..kv_cache import AttentionMetadata, slot_mapping
 
 # %% auto #0
 __all__ = ['graph_batch_sizes', 'pick_graph_batch_size', 'DecodeBuffers', 'run_padded', 'DecodeGraphs']
@@ -45,8 +45,7 @@ class DecodeBuffers:
             raise ValueError(f"a block table is longer than the {self.max_blocks} blocks the buffers hold")
         pad = bucket - n
         positions = [c - 1 for c in context_lens]
-        # subtle: the new token's slot is in the block of its position, at its offset in that block.
-        slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(block_tables, positions)]
+        slots = [slot_mapping(t, p, p + 1, block_size)[0] for t, p in zip(block_tables, positions)]  # notebook 06's rule
         tables = [t + [-1] * (self.max_blocks - len(t)) for t in block_tables] + [[-1] * self.max_blocks] * pad
         # one host-to-device copy per buffer
         self.input_ids[:bucket].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
