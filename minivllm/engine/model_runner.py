@@ -17,7 +17,7 @@ import torch
 
 from ..config import Config, check_positive_int, is_int
 from ..shm_allreduce import make_communicator
-from .scheduler import ScheduledBatch
+from .scheduler import ScheduledBatch, context_lengths, token_positions
 from ..kv_cache import allocate_kv_cache, decode_metadata, kv_cache_bytes_per_block, prefill_metadata
 from ..layers.common import GREEDY_TEMPERATURE, Sampler
 from ..models import build_model, load_checkpoint
@@ -101,13 +101,13 @@ class StepInputs:
 
     @property
     def positions(self) -> list[int]:
-        "The position of each input token in its sequence."
-        return [p for c, n in zip(self.num_computed_tokens, self.num_new_tokens) for p in range(c, c + n)]
+        "The position of each input token in its sequence (the scheduler's rule)."
+        return token_positions(self.num_computed_tokens, self.num_new_tokens)
 
     @property
     def context_lens(self) -> list[int]:
-        "Per sequence: tokens in the cache once this step has stored its new ones."
-        return [c + n for c, n in zip(self.num_computed_tokens, self.num_new_tokens)]
+        "Per sequence: tokens in the cache once this step has stored its new ones (the scheduler's rule)."
+        return context_lengths(self.num_computed_tokens, self.num_new_tokens)
 
     @property
     def last_token_rows(self) -> list[int]:

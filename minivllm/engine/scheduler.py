@@ -17,7 +17,8 @@ from ..config import check_positive_int, is_int
 from .block_manager import BlockManager
 
 # %% auto #0
-__all__ = ['SamplingParams', 'SequenceStatus', 'check_token_ids', 'Sequence', 'ScheduledBatch', 'Scheduler']
+__all__ = ['SamplingParams', 'SequenceStatus', 'check_token_ids', 'Sequence', 'token_positions', 'context_lengths',
+           'ScheduledBatch', 'Scheduler']
 
 # %% ../../nbs/09_scheduler.ipynb #8b0eac52
 @dataclass
@@ -108,6 +109,14 @@ class Sequence:
                 + (f", finished: {self.finish_reason}" if self.finish_reason else "") + ")")
 
 # %% ../../nbs/09_scheduler.ipynb #843b0c09
+def token_positions(num_computed_tokens: list[int], num_new_tokens: list[int]) -> list[int]:
+    "The position in its sequence of every new token, sequence after sequence. Example: `([3, 0], [1, 2])` -> `[3, 0, 1]`."
+    return [p for c, n in zip(num_computed_tokens, num_new_tokens) for p in range(c, c + n)]
+
+def context_lengths(num_computed_tokens: list[int], num_new_tokens: list[int]) -> list[int]:
+    "Per sequence: tokens in the cache once a step has stored its new ones."
+    return [c + n for c, n in zip(num_computed_tokens, num_new_tokens)]
+
 @dataclass
 class ScheduledBatch:
     "One step's work: the sequences and, for each, the tokens already in the KV cache and the tokens to compute now."
@@ -135,7 +144,7 @@ class ScheduledBatch:
     @property
     def context_lens(self) -> list[int]:
         "Per sequence: tokens in the cache once this step has stored its new ones."
-        return [c + n for c, n in zip(self.num_computed_tokens, self.num_new_tokens)]
+        return context_lengths(self.num_computed_tokens, self.num_new_tokens)
     @property
     def input_ids(self) -> list[int]:
         "The new tokens of every sequence, concatenated: the forward pass's input."
@@ -143,7 +152,7 @@ class ScheduledBatch:
     @property
     def positions(self) -> list[int]:
         "The position of each token of `input_ids` in its sequence."
-        return [p for c, n in zip(self.num_computed_tokens, self.num_new_tokens) for p in range(c, c + n)]
+        return token_positions(self.num_computed_tokens, self.num_new_tokens)
 
 # %% ../../nbs/09_scheduler.ipynb #198d31d9
 class Scheduler:
