@@ -278,9 +278,13 @@ class ShmCommandChannel:
 class OwnerDied(RuntimeError):
     "Rank 0, which owns the channel, died while this worker was waiting for a command."
 
-def _close_worker(shm, owner_pid: int) -> None:
+def _close_worker(shm, owner_pid: int, owner_died: list[bool]) -> None:
     "Close a worker's mapping; if rank 0 is dead, unlink the segment, since it no longer can."
     shm.close()
+    # subtle: a dying rank 0's pipes close before the kernel marks it a zombie: give its death up to 2 s to show
+    deadline = time.monotonic() + (2.0 if owner_died[0] else 0.0)
+    while process_state(owner_pid) != "dead" and time.monotonic() < deadline:
+        time.sleep(0.01)
     if process_state(owner_pid) == "dead":
         try:
             shm.unlink()
@@ -294,7 +298,8 @@ class ShmCommandReceiver:
         self.handle, self.rank = handle, handle.rank
         self._shm = attach_shared_memory(handle.name)
         self._seq = 0
-        self._finalizer = Finalize(self, _close_worker, (self._shm, handle.owner_pid), exitpriority=10)
+        self._owner_died = [False]  # set by `recv` when the wake pipe ends without a shutdown: rank 0 died
+        self._finalizer = Finalize(self, _close_worker, (self._shm, handle.owner_pid, self._owner_died), exitpriority=10)
 
     def recv(self) -> tuple[str, tuple]:
         "The next command `(method, args)`, acknowledged; `('exit', ())` once rank 0 closes; `OwnerDied` if rank 0 dies."
@@ -304,6 +309,7 @@ class ShmCommandReceiver:
         if shutdown or (not woken and _U64.unpack_from(buf, _SHUTDOWN_OFFSET)[0]):
             return "exit", ()
         if not woken:
+            self._owner_died[0] = True
             raise OwnerDied(f"worker rank {self.rank}: rank 0 (pid {h.owner_pid}) died; exiting")
         # subtle: rank 0 writes command k+1 only after every worker acknowledged k, so we see every seq, in order.
         if seq != self._seq + 1:
