@@ -129,6 +129,8 @@ def _spin_until(ready: Callable[[], bool], on_slow: Callable[[float], None], spi
         if now < spin_end:
             continue
         sleep()
+        if ready():  # subtle: before `on_slow`: a peer may have arrived, finished and left while we slept
+            return
         now = time.perf_counter()
         if now >= next_check:
             on_slow(now - start)
