@@ -17,7 +17,7 @@ import torch
 # %% auto #0
 __all__ = ['SUPPORTED_ROPE_TYPES', 'SUPPORTED_MODEL_TYPES', 'INT_FIELDS', 'HUB_FILE_PATTERNS', 'rope_from_hf', 'rope_type',
            'parse_dtype', 'dtype_from_hf', 'valid_tp_sizes', 'check_tensor_parallel', 'is_int', 'is_positive_int',
-           'check_positive_int', 'Config', 'resolve_model']
+           'check_positive_int', 'check_token_ids', 'Config', 'resolve_model']
 
 # %% ../nbs/00_config.ipynb #ca7288cb
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -101,6 +101,25 @@ def check_positive_int(name: str, value) -> None:
     "Raise `ValueError` naming `name` unless `value` is an integer >= 1."
     if not is_positive_int(value):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+# %% ../nbs/00_config.ipynb #e208fedb
+def check_token_ids(token_ids, vocab_size: int | None = None, what: str = "prompt") -> list[int]:
+    "`token_ids` as a list of Python ints; `ValueError` naming the problem if it is empty or holds anything but ids in `[0, vocab_size)`."
+    if isinstance(token_ids, (str, bytes)):
+        raise ValueError(f"the {what} must be a list of token ids, got a string: tokenize it first")
+    ids = list(token_ids)
+    if not ids:
+        raise ValueError(f"the {what} is empty: it needs at least one token")
+    bad = [t for t in ids if not is_int(t) or (vocab_size is None and t < 0)]
+    if bad:
+        raise ValueError(f"the {what} must hold token ids (integers >= 0), got {bad[:5]!r}")
+    ids = [int(t) for t in ids]  # NumPy and torch integers become Python ints
+    if vocab_size is not None:
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"token id {lo if lo < 0 else hi} is out of range for a vocabulary of {vocab_size} "
+                             f"(the {what}'s ids must be in [0, {vocab_size - 1}])")
+    return ids
 
 # %% ../nbs/00_config.ipynb #de3586ff
 @dataclass

@@ -17,15 +17,17 @@ from typing import Iterable, Sequence as Seq
 import transformers
 from tqdm.auto import tqdm
 
-from .config import is_int, resolve_model
+from fastcore.basics import patch
+
+from .config import check_token_ids, is_int, resolve_model
 from .distributed import RankFailure, listen_socket
 from .engine.block_manager import BlockManager
 from .engine.ipc import ShmCommandChannel
-from .engine.model_runner import EngineArgs, ModelRunner, SamplingInputs, StepInputs
-from .engine.scheduler import SamplingParams, Scheduler, Sequence, check_token_ids
+from .engine.model_runner import EngineArgs, ModelRunner, run_batch
+from .engine.scheduler import SamplingParams, Scheduler, Sequence
 
 # %% auto #0
-__all__ = ['logger', 'DEFAULT_MODEL', 'RequestOutput', 'LLM', 'add_request', 'step', 'generate', 'apply_chat_template', 'chat']
+__all__ = ['logger', 'DEFAULT_MODEL', 'RequestOutput', 'LLM']
 
 # %% ../nbs/13_llm.ipynb #23843fa7
 @dataclass
@@ -139,6 +141,7 @@ class LLM:
         return f"LLM({str(self.args.model)!r}, tensor_parallel_size={self.args.tensor_parallel_size}, {state})"
 
 # %% ../nbs/13_llm.ipynb #33969779
+@patch
 def _prompt_ids(self: LLM, prompt) -> tuple[str | None, list[int]]:
     "`(text, token_ids)` of a prompt given as a string, or as token ids (a list, a NumPy array, a tensor)."
     if isinstance(prompt, str):
@@ -149,24 +152,20 @@ def _prompt_ids(self: LLM, prompt) -> tuple[str | None, list[int]]:
         prompt = prompt.tolist()
     if is_int(prompt) or not hasattr(prompt, "__iter__"):
         raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__} {prompt!r}")
-    return None, check_token_ids(prompt)  # ints, NumPy ints and the like become Python ints; anything else is refused
+    return None, check_token_ids(prompt, self.config.vocab_size)  # NumPy and torch ints become Python ints
 
+@patch
 def add_request(self: LLM, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Sequence:
     "Queue one request; its `Sequence`. `ValueError` (and nothing queued) if the request is bad."
     if self.closed:
         raise RuntimeError("this LLM is closed: create a new one to add requests")
-    text, ids = _prompt_ids(self, prompt)
-    vocab = self.config.vocab_size
-    if any(not 0 <= t < vocab for t in ids):
-        raise ValueError(f"the prompt holds token ids outside the vocabulary [0, {vocab}): "
-                         f"{[t for t in ids if not 0 <= t < vocab][:5]}")
+    text, ids = self._prompt_ids(prompt)
     seq = self.scheduler.add(ids, sampling_params)
     seq.prompt_text = text
     return seq
 
-LLM._prompt_ids, LLM.add_request = _prompt_ids, add_request
-
 # %% ../nbs/13_llm.ipynb #f6add91c
+@patch
 def _worker_failure(self: LLM, patience_s: float = 5.0) -> RankFailure | None:
     "The failure of a worker, if one has failed (waiting up to `patience_s` for a dying worker to be seen dead)."
     channel = self.channel
@@ -182,18 +181,16 @@ def _worker_failure(self: LLM, patience_s: float = 5.0) -> RankFailure | None:
             return None
         time.sleep(0.05)
 
+@patch
 def step(self: LLM) -> tuple[list[Sequence], dict]:
     "Schedule and compute one batch; the sequences it finished, and its stats (kind, tokens, seconds)."
     start = time.perf_counter()
-    runner, channel = self.runner, self.channel
+    runner, channel = self.runner, self.channel  # raises if the engine is closed
     batch = self.scheduler.schedule()
-    inputs = StepInputs.from_batch(batch)
     try:
-        if channel is not None:
-            channel.call("run", inputs, wait=False)
-        tokens = runner.run(inputs, SamplingInputs.from_batch(batch))
+        tokens = run_batch(batch, runner, channel)  # notebook 11's step; what follows is what a long-lived engine adds
     except BaseException as e:
-        failure = _worker_failure(self) if isinstance(e, Exception) else None
+        failure = self._worker_failure() if isinstance(e, Exception) else None
         self.close()
         if failure is not None:
             raise RankFailure(f"the engine has shut down: {failure}") from e
@@ -203,8 +200,6 @@ def step(self: LLM) -> tuple[list[Sequence], dict]:
     finished = self.scheduler.postprocess(batch, tokens)
     stats = dict(prefill=batch.is_prefill, tokens=batch.num_batched_tokens, seconds=time.perf_counter() - start)
     return finished, stats
-
-LLM.step = step
 
 # %% ../nbs/13_llm.ipynb #859dbf4e
 def _as_prompt_list(prompts) -> tuple[list, bool]:
@@ -217,12 +212,14 @@ def _as_prompt_list(prompts) -> tuple[list, bool]:
         raise ValueError("no prompts given")
     return prompts, False
 
+@patch
 def _output(self: LLM, seq: Sequence) -> RequestOutput:
     "The `RequestOutput` of a finished sequence."
     ids = seq.completion_token_ids
     text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
     return RequestOutput(seq.prompt_text, seq.prompt_token_ids, text, ids, seq.finish_reason, seq.num_cached_tokens)
 
+@patch
 def generate(self: LLM, prompts, sampling_params: SamplingParams | Iterable[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[RequestOutput] | RequestOutput:
     "Complete every prompt (strings or token-id lists); outputs in prompt order (one output for one prompt)."
@@ -259,18 +256,18 @@ def generate(self: LLM, prompts, sampling_params: SamplingParams | Iterable[Samp
         raise
     finally:
         bar.close()
-    outputs = [_output(self, s) for s in seqs]
+    outputs = [self._output(s) for s in seqs]
     return outputs[0] if single else outputs
 
-LLM.generate = generate
-
 # %% ../nbs/13_llm.ipynb #270ad5f5
+@patch
 def apply_chat_template(self: LLM, messages: list[dict], add_generation_prompt: bool = True) -> str:
     "The prompt text for a conversation `[{'role': ..., 'content': ...}, ...]`, by the tokenizer's chat template."
     if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
         raise ValueError(f"{self.args.model} has no chat template: use generate() with plain prompts")
     return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
+@patch
 def chat(self: LLM, conversations: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
          use_tqdm: bool = True) -> RequestOutput | list[RequestOutput]:
     "Reply to one conversation (a list of messages) or to each of a list of them."
@@ -278,5 +275,3 @@ def chat(self: LLM, conversations: list[dict] | list[list[dict]], sampling_param
     prompts = [apply_chat_template(self, c) for c in ([conversations] if single else conversations)]
     outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
     return outputs[0] if single else outputs
-
-LLM.apply_chat_template, LLM.chat = apply_chat_template, chat

@@ -12,7 +12,7 @@ from torch import nn
 
 from minivllm.distributed import Communicator, run_on_ranks
 from minivllm.shm_allreduce import ShmCommunicator
-from minivllm.layers.embed_head import (ParallelLMHead, VocabParallelEmbedding, check_token_ids, pad_vocab_size,
+from minivllm.layers.embed_head import (ParallelLMHead, VocabParallelEmbedding, check_input_ids, pad_vocab_size,
                                         vocab_range)
 
 # subtle: tests/ is not a package, so a spawned rank cannot count on importing this module by name;
@@ -208,13 +208,13 @@ def test_out_of_range_ids_raise_on_every_shard(N, bad):
             emb.embed_local(torch.tensor([[0, 999], [bad, 5]]))
 
 
-def test_check_token_ids():
-    check_token_ids(torch.tensor([0, 999], dtype=torch.int32), 1000)
-    check_token_ids(torch.empty(0, dtype=torch.long), 1000)
+def test_check_input_ids():
+    check_input_ids(torch.tensor([0, 999], dtype=torch.int32), 1000)
+    check_input_ids(torch.empty(0, dtype=torch.long), 1000)
     with pytest.raises(TypeError, match="integer tensor"):
-        check_token_ids(torch.tensor([1.0]), 1000)
+        check_input_ids(torch.tensor([1.0]), 1000)
     with pytest.raises(TypeError, match="integer tensor"):
-        check_token_ids(torch.tensor([True]), 1000)
+        check_input_ids(torch.tensor([True]), 1000)
     assert VocabParallelEmbedding(10, 4)(torch.empty(0, dtype=torch.long)).shape == (0, 4)
 
 

@@ -120,8 +120,8 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("prompt, params, message", [
     ([1] * 64, GREEDY, "max_model_len is 64"),
     ([], GREEDY, "the prompt is empty"),
-    ([1, 5000], GREEDY, "outside the vocabulary"),
-    ([1, -3], GREEDY, "token ids"),
+    ([1, 5000], GREEDY, "out of range for a vocabulary of"),
+    ([1, -3], GREEDY, "token id -3 is out of range"),
     ("text", GREEDY, "has no tokenizer"),
     ([1, 2], "greedy", "must be a SamplingParams"),
 ])
@@ -381,9 +381,9 @@ def test_numpy_token_ids_are_checked_like_python_ints(tiny):
         assert llm.generate(np.array([1, 2, 3]), GREEDY, use_tqdm=False).token_ids == reference
         assert llm.generate([np.array([1, 2, 3], dtype=np.int32)], GREEDY, use_tqdm=False)[0].token_ids == reference
         assert llm.generate([np.int64(1), np.int16(2), 3], GREEDY, use_tqdm=False).token_ids == reference
-        for bad, message in ((np.array([1, 5000]), "outside the vocabulary"),
-                             ([np.int64(1), np.int64(300)], "outside the vocabulary"),
-                             (np.array([[1, -2]]), r"token ids \(integers >= 0\)"),
+        for bad, message in ((np.array([1, 5000]), "out of range for a vocabulary of"),
+                             ([np.int64(1), np.int64(300)], "out of range for a vocabulary of"),
+                             (np.array([[1, -2]]), "token id -2 is out of range for a vocabulary of"),
                              ([1, np.float32(2.0)], r"token ids \(integers >= 0\)")):
             with pytest.raises(ValueError, match=message):
                 llm.generate(bad, GREEDY, use_tqdm=False)

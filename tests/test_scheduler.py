@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 
+from minivllm.config import check_token_ids
 from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.scheduler import (Scheduler, ScheduledBatch, SamplingParams, Sequence, SequenceStatus,
-                                       check_token_ids)
+from minivllm.engine.scheduler import Scheduler, ScheduledBatch, SamplingParams, Sequence, SequenceStatus
 from minivllm.kv_cache import decode_metadata, prefill_metadata, slot_mapping
 
 VOCAB = 50
@@ -140,7 +140,7 @@ def test_sampling_params_defaults():
     (dict(max_tokens=2.0), "max_tokens must be an integer >= 1"),
     (dict(ignore_eos=1), "ignore_eos must be True or False"),
     (dict(seed=1.5), "seed must be an integer or None"),
-    (dict(stop_token_ids=[1, -1]), "stop_token_ids must be a sequence of token ids"),
+    (dict(stop_token_ids=[1, -1]), "the stop_token_ids must hold token ids"),
     (dict(stop_token_ids="12"), "stop_token_ids must be a sequence of token ids"),
     (dict(stop_token_ids=7), "stop_token_ids must be a sequence of token ids"),
 ])

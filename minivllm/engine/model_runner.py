@@ -17,14 +17,14 @@ import torch
 
 from ..config import Config, check_positive_int, is_int
 from ..shm_allreduce import make_communicator
-from .scheduler import ScheduledBatch, context_lengths, token_positions
+from .scheduler import ScheduledBatch, Scheduler, context_lengths, token_positions
 from ..kv_cache import allocate_kv_cache, decode_metadata, kv_cache_bytes_per_block, prefill_metadata
 from ..layers.common import GREEDY_TEMPERATURE, Sampler
 from ..models import build_model, load_checkpoint
 
 # %% auto #0
 __all__ = ['EngineArgs', 'StepInputs', 'SamplingInputs', 'available_memory_bytes', 'cpu_kv_cache_budget', 'cuda_kv_cache_budget',
-           'blocks_for_budget', 'ModelRunner', 'run_until_done']
+           'blocks_for_budget', 'ModelRunner', 'run_batch', 'run_until_done']
 
 # %% ../../nbs/11_model_runner.ipynb #a6f39f7a
 @dataclass
@@ -305,15 +305,18 @@ class ModelRunner:
         torch.set_num_threads(self._old_threads)
 
 # %% ../../nbs/11_model_runner.ipynb #076c8c29
-def run_until_done(scheduler, runner: ModelRunner, channel=None, max_steps: int = 100_000) -> int:
-    "Drive `scheduler` and rank 0's `runner` (and the workers behind `channel`) until every request finishes; steps."
+def run_batch(batch: ScheduledBatch, runner: ModelRunner, channel=None) -> list[int]:
+    "Compute one scheduled batch: send it to the workers behind `channel` (without waiting), run rank 0's share; the sampled tokens."
+    inputs = StepInputs.from_batch(batch)
+    if channel is not None:
+        channel.call("run", inputs, wait=False)
+    return runner.run(inputs, SamplingInputs.from_batch(batch))
+
+def run_until_done(scheduler: Scheduler, runner: ModelRunner, channel=None, max_steps: int = 100_000) -> int:
+    "The engine's loop: schedule, `run_batch`, record the tokens, until every request finishes; the number of steps."
     for step_no in range(max_steps):
         if scheduler.is_finished():
             return step_no
         batch = scheduler.schedule()
-        step = StepInputs.from_batch(batch)
-        if channel is not None:
-            channel.call("run", step, wait=False)
-        tokens = runner.run(step, SamplingInputs.from_batch(batch))
-        scheduler.postprocess(batch, tokens)
+        scheduler.postprocess(batch, run_batch(batch, runner, channel))
     raise RuntimeError(f"requests still unfinished after {max_steps} steps")

@@ -13,12 +13,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..config import check_positive_int, is_int
+from ..config import check_positive_int, check_token_ids, is_int
 from .block_manager import BlockManager
 
 # %% auto #0
-__all__ = ['SamplingParams', 'SequenceStatus', 'check_token_ids', 'Sequence', 'token_positions', 'context_lengths',
-           'ScheduledBatch', 'Scheduler']
+__all__ = ['SamplingParams', 'SequenceStatus', 'Sequence', 'token_positions', 'context_lengths', 'ScheduledBatch', 'Scheduler']
 
 # %% ../../nbs/09_scheduler.ipynb #8b0eac52
 @dataclass
@@ -49,9 +48,9 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         stop = self.stop_token_ids
         stop = tuple(stop) if isinstance(stop, Iterable) and not isinstance(stop, (str, bytes)) else None
-        if stop is None or not all(is_int(t) and t >= 0 for t in stop):
+        if stop is None:
             raise ValueError(f"stop_token_ids must be a sequence of token ids (integers >= 0), got {self.stop_token_ids!r}")
-        self.stop_token_ids = tuple(int(t) for t in stop)
+        self.stop_token_ids = tuple(check_token_ids(stop, what="stop_token_ids")) if stop else ()
 
 # %% ../../nbs/09_scheduler.ipynb #280b48e0
 class SequenceStatus(Enum):
@@ -59,18 +58,6 @@ class SequenceStatus(Enum):
     WAITING = "waiting"  # in the waiting queue, holding no blocks
     RUNNING = "running"  # holding blocks: being prefilled or decoded
     FINISHED = "finished"  # done; its blocks are freed
-
-def check_token_ids(token_ids: Iterable[int], what: str = "prompt") -> list[int]:
-    "`token_ids` as a list of ints; `ValueError` if it is empty or holds anything but integers >= 0."
-    if isinstance(token_ids, (str, bytes)):
-        raise ValueError(f"the {what} must be a list of token ids, got a string: tokenize it first")
-    ids = list(token_ids)
-    if not ids:
-        raise ValueError(f"the {what} is empty: it needs at least one token")
-    bad = [t for t in ids if not is_int(t) or t < 0]
-    if bad:
-        raise ValueError(f"the {what} must hold token ids (integers >= 0), got {bad[:5]!r}")
-    return [int(t) for t in ids]
 
 class Sequence:
     "One request: its tokens (prompt, then generated), sampling parameters, status, and place in the KV cache."
@@ -169,7 +156,7 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
         eos_token_ids = list(eos_token_ids)
-        self.eos_token_ids = frozenset(check_token_ids(eos_token_ids, "eos_token_ids") if eos_token_ids else ())
+        self.eos_token_ids = frozenset(check_token_ids(eos_token_ids, what="eos_token_ids") if eos_token_ids else ())
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()  # in the order they were admitted
         self.seq_ids = itertools.count()  # this scheduler numbers its sequences

@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import check_token_ids
 from ..distributed import Communicator, divide
 
 # %% auto #0
-__all__ = ['pad_vocab_size', 'vocab_range', 'check_token_ids', 'VocabParallelEmbedding', 'ParallelLMHead']
+__all__ = ['pad_vocab_size', 'vocab_range', 'check_input_ids', 'VocabParallelEmbedding', 'ParallelLMHead']
 
 # %% ../../nbs/04_vocab_embedding.ipynb #ec0c8de8
 def pad_vocab_size(num_embeddings: int, tp_size: int) -> int:
@@ -29,16 +30,12 @@ def vocab_range(num_embeddings: int, tp_rank: int, tp_size: int) -> tuple[int, i
     return min(tp_rank * per_rank, num_embeddings), min((tp_rank + 1) * per_rank, num_embeddings)
 
 # %% ../../nbs/04_vocab_embedding.ipynb #87f493bd
-def check_token_ids(input_ids: torch.Tensor, num_embeddings: int) -> None:
-    "Raise if `input_ids` is not an integer tensor of ids in `[0, num_embeddings)`."
+def check_input_ids(input_ids: torch.Tensor, num_embeddings: int) -> None:
+    "Raise if `input_ids` is not an integer tensor of ids in `[0, num_embeddings)`: `check_token_ids` on its extremes."
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
         raise TypeError(f"token ids must be an integer tensor, got {input_ids.dtype}")
     if input_ids.numel() == 0: return
-    lo, hi = (int(v) for v in input_ids.aminmax())
-    if lo < 0 or hi >= num_embeddings:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"token id {bad} is out of range for a vocabulary of {num_embeddings} "
-                         f"(ids must be in [0, {num_embeddings - 1}])")
+    check_token_ids([int(v) for v in input_ids.aminmax()], num_embeddings, what="input")
 
 # %% ../../nbs/04_vocab_embedding.ipynb #f20466e2
 class VocabParallelEmbedding(nn.Module):
@@ -70,7 +67,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def embed_local(self, input_ids: torch.Tensor) -> torch.Tensor:
         "This rank's part of the embeddings: its rows for the ids it owns, zeros for the others."
-        if input_ids.device.type == "cpu": check_token_ids(input_ids, self.num_embeddings)
+        if input_ids.device.type == "cpu": check_input_ids(input_ids, self.num_embeddings)
         if self.tp_size == 1: return F.embedding(input_ids, self.weight)
         mine = (input_ids >= self.vocab_start_idx) & (input_ids < self.vocab_end_idx)
         local_ids = torch.where(mine, input_ids - self.vocab_start_idx, 0)
