@@ -129,7 +129,7 @@ SHAPES = {  # real models' shapes, for random-weight checkpoints of the same cos
 
 def random_checkpoint(shape: str, cache: str | Path | None = None) -> Path:
     "A random-weight float32 checkpoint of a real model's `shape` (see SHAPES), built once in `cache` and reused."
-    from minivllm.models import make_tiny_checkpoint
+    from minivllm.testing import make_tiny_checkpoint
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}: choose one of {', '.join(SHAPES)}")
     cache = Path(cache or os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm"))

@@ -65,7 +65,7 @@ def time_decode_steps(model: str | Path | None, tensor_parallel_size: int = 1, b
 # %% ../nbs/16_tp_cost_model.ipynb #459f506d
 def skeleton_checkpoint(model: str | Path, path: str | Path) -> Path:
     "A random checkpoint with `model`'s layers, heads and type but almost no width: its forward pass is all dispatch."
-    from minivllm.models import make_tiny_checkpoint
+    from minivllm.testing import make_tiny_checkpoint
     c = json.loads((Path(model) / "config.json").read_text())
     heads = c["num_attention_heads"]
     kw = dict(vocab_size=128, hidden_size=2 * heads, intermediate_size=16, num_hidden_layers=c["num_hidden_layers"],

@@ -13,15 +13,13 @@ from torch import nn
 from .config import Config
 from .kv_cache import Attention, AttentionMetadata
 from .distributed import Communicator
-from .kv_cache import allocate_kv_cache, decode_metadata, prefill_metadata
 from .layers.common import RMSNorm, SiluAndMul, get_rope
 from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from .layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 # %% auto #0
 __all__ = ['DecoderAttention', 'DecoderMLP', 'DecoderLayer', 'DecoderModel', 'CausalLM', 'checkpoint_files',
-           'default_weight_loader', 'load_checkpoint', 'build_model', 'load_model', 'make_tiny_checkpoint',
-           'greedy_generate']
+           'default_weight_loader', 'load_checkpoint', 'build_model', 'load_model']
 
 # %% ../nbs/07_models.ipynb #65b4563f
 class DecoderAttention(nn.Module):
@@ -240,62 +238,3 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None, device:
     model = build_model(config, device, comm)
     load_checkpoint(model, path)
     return model.eval()
-
-# %% ../nbs/07_models.ipynb #30fb1844
-def make_tiny_checkpoint(path: str | Path, model_type: str = "qwen3", *, tie_word_embeddings: bool = False,
-                         vocab_size: int = 256, hidden_size: int = 64, intermediate_size: int = 128,
-                         num_hidden_layers: int = 2, num_attention_heads: int = 4, num_key_value_heads: int = 2,
-                         head_dim: int | None = None, dtype: str = "float32", initializer_range: float = 0.2,
-                         seed: int = 0, **overrides) -> Path:
-    "Save a random Hugging Face checkpoint of `model_type` with a tiny config at `path`; returns the path."
-    import transformers
-    classes = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}
-    kw = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-              num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-              num_key_value_heads=num_key_value_heads, tie_word_embeddings=tie_word_embeddings,
-              initializer_range=initializer_range, **({"max_position_embeddings": 512} | overrides))
-    if head_dim is not None: kw["head_dim"] = head_dim
-    config = classes[model_type](**kw)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    if model_type == "qwen2" or overrides.get("attention_bias") or overrides.get("mlp_bias"):
-        with torch.no_grad():  # biases start at zero; make them matter
-            for n, p in model.named_parameters():
-                if n.endswith(".bias"): p.normal_(0, initializer_range)
-    model.save_pretrained(path)
-    return Path(path)
-
-# %% ../nbs/07_models.ipynb #2cb30be7
-@torch.no_grad()
-def greedy_generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, block_size: int = 16) -> list[list[int]]:
-    "Greedy continuation of each prompt through the paged KV cache (a minimal engine, for tests and teaching)."
-    c = model.config
-    device = model.lm_head.weight.device
-    blocks_per_seq = [-(-(len(p) + max_new_tokens) // block_size) for p in prompts]
-    first = [sum(blocks_per_seq[:i]) for i in range(len(prompts))]
-    # subtle: hand out blocks in reverse so block tables are not the identity map and paging is really exercised.
-    total = sum(blocks_per_seq)
-    tables = [[total - 1 - (first[i] + j) for j in range(n)] for i, n in enumerate(blocks_per_seq)]
-    kv_cache = allocate_kv_cache(c.num_hidden_layers, total, block_size, c.num_kv_heads_per_rank, c.head_dim,
-                                 c.dtype, device)
-
-    def pick(hidden):
-        tokens = model.greedy_tokens(hidden)
-        if tokens is None: tokens = torch.zeros(len(hidden), dtype=torch.long, device=device)
-        return model.comm.broadcast(tokens, src=0)  # every rank needs the tokens it will feed next
-
-    ids = torch.tensor(sum(prompts, []), device=device)
-    positions = torch.cat([torch.arange(len(p), device=device) for p in prompts])
-    md = prefill_metadata(tables, [0] * len(prompts), [len(p) for p in prompts], block_size, device)
-    hidden = model(ids, positions, kv_cache, md)
-    last = md.cu_seqlens_q[1:].long() - 1
-    tokens = pick(hidden[last])
-    out = [[t] for t in tokens.tolist()]
-    lens = [len(p) + 1 for p in prompts]
-    for _ in range(max_new_tokens - 1):
-        md = decode_metadata(tables, lens, block_size, device)
-        hidden = model(tokens, torch.tensor(lens, device=device) - 1, kv_cache, md)
-        tokens = pick(hidden)
-        for o, t in zip(out, tokens.tolist()): o.append(t)
-        lens = [n + 1 for n in lens]
-    return out

@@ -6,12 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from proc_helpers import leftover_segments, rank_processes, shm_segments
-
 # subtle: Triton reads this when a kernel is defined (at the first import of minivllm.kv_cache), so it must be set
 # before any test module imports minivllm; on CPU the kernels then run in Triton's interpreter.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from minivllm.testing import leftover_segments, rank_processes, shm_segments  # noqa: E402 (after TRITON_INTERPRET)
 
 ROOT = Path(__file__).resolve().parents[1]
 NBS = ROOT / "nbs"
@@ -24,5 +24,6 @@ def nothing_left_behind():
     yield
     alive = rank_processes(os.getpid())
     assert not alive, f"rank processes left running: {alive}"
-    left = leftover_segments(before, os.getpid())
+    left = leftover_segments(before)
+    for name in left: (Path("/dev/shm") / name).unlink(missing_ok=True)  # so that later tests start clean
     assert not left, f"shared-memory segments left in /dev/shm: {left}"

@@ -8,26 +8,7 @@ import random
 import pytest
 
 from minivllm.engine.block_manager import Block, BlockManager, OutOfBlocksError, block_hash, chain_hashes
-
-
-def check_invariants(bm: BlockManager, live: dict[int, tuple[list[int], list[int]]]):
-    "Free list, reference counts and cache entries agree; every hashed block holds its table's tokens there."
-    held = [0] * bm.num_blocks
-    for table, _ in live.values():
-        for b in table:
-            held[b] += 1
-    assert [blk.ref_count for blk in bm.blocks] == held
-    assert set(bm.free_block_ids) == {blk.block_id for blk in bm.blocks if blk.ref_count == 0}
-    for h, b in bm.hash_to_block_id.items():
-        assert bm.blocks[b].hash == h
-    bs = bm.block_size
-    for table, tokens in live.values():
-        hashed = [bm.blocks[b].hash is not None for b in table]
-        assert hashed == sorted(hashed, reverse=True), "hashed blocks must form a prefix of the table"
-        for i, b in enumerate(table):
-            if bm.blocks[b].hash is not None:
-                assert list(bm.blocks[b].token_ids) == tokens[i * bs:(i + 1) * bs]
-                assert bm.blocks[b].hash == chain_hashes(tokens, bs)[i]
+from minivllm.testing import check_invariants
 
 
 def computed(bm: BlockManager, tokens: list[int]) -> tuple[list[int], int]:
@@ -63,12 +44,12 @@ def test_allocate_free_and_ref_counts():
     t2, c2 = bm.allocate(list(range(100, 109)))
     assert (t1, c1, t2, c2) == ([0, 1], 0, [2, 3, 4], 0)
     assert bm.num_free_blocks == 3
-    check_invariants(bm, {1: (t1, list(range(6))), 2: (t2, list(range(100, 109)))})
+    check_invariants(bm, [t1, t2], [list(range(6)), list(range(100, 109))])
     bm.free(t2)
     assert list(bm.free_block_ids) == [5, 6, 7, 4, 3, 2]  # least recently freed first, a table's tail first
     bm.free(t1)
     assert bm.num_free_blocks == 8
-    check_invariants(bm, {})
+    check_invariants(bm, [])
 
 
 def test_shared_block_freed_only_when_every_holder_is_freed():
@@ -81,10 +62,10 @@ def test_shared_block_freed_only_when_every_holder_is_freed():
     bm.free(ta)
     assert [bm.blocks[x].ref_count for x in ta[:2]] == [1, 1]
     assert not set(ta[:2]) & set(bm.free_block_ids)
-    check_invariants(bm, {2: (tb, b)})
+    check_invariants(bm, [tb], [b])
     bm.free(tb)
     assert bm.num_free_blocks == 8
-    check_invariants(bm, {})
+    check_invariants(bm, [])
 
 
 def test_double_free_raises_and_changes_nothing():
@@ -108,7 +89,7 @@ def test_out_of_blocks():
     with pytest.raises(OutOfBlocksError, match="check can_grow first"):
         bm.grow(t, 13)
     assert t == [0, 1]
-    check_invariants(bm, {1: (t, list(range(8)))})
+    check_invariants(bm, [t], [list(range(8))])
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -154,7 +135,7 @@ def test_fully_cached_prompt_still_computes_its_last_token(length, block_size):
     assert not set(again[cached // block_size:]) & set(first)  # recomputed blocks are fresh, never shared
     longer, cached = bm.allocate(prompt + [99])
     assert cached == length // block_size * block_size  # every full block of the prompt is reused
-    check_invariants(bm, {1: (first, prompt), 2: (again, prompt), 3: (longer, prompt + [99])})
+    check_invariants(bm, [first, again, longer], [prompt, prompt, prompt + [99]])
 
 
 def test_hash_collision_is_a_miss():
@@ -200,7 +181,7 @@ def test_freed_blocks_stay_cached_until_reallocated():
     bm.free(other)
     last, cached = bm.allocate(prompt)
     assert (last[0], cached) == (0, 4)
-    check_invariants(bm, {1: (last, prompt)})
+    check_invariants(bm, [last], [prompt])
 
 
 def test_can_allocate_counts_hits_exactly():
@@ -227,7 +208,7 @@ def test_hits_are_taken_before_fresh_blocks_are_allocated():
     bm.free(t)  # free list: 2, 1, 0
     t2, cached = bm.allocate(list(range(8)) + [50])
     assert (t2, cached) == ([0, 1, 2], 8)
-    check_invariants(bm, {1: (t2, list(range(8)) + [50])})
+    check_invariants(bm, [t2], [list(range(8)) + [50]])
 
 
 # ---------------------------------------------------------------------------------------------- decode growth
@@ -247,7 +228,7 @@ def test_grow_and_publish_during_decode():
     next_turn = tokens[:8] + [1]
     t2, cached = bm.allocate(next_turn)
     assert cached == 8  # a later turn reuses prompt + answer
-    check_invariants(bm, {1: (table, tokens), 2: (t2, next_turn)})
+    check_invariants(bm, [table, t2], [tokens, next_turn])
 
 
 # ---------------------------------------------------------------------------------------------- random workload
@@ -292,7 +273,7 @@ def test_random_workload_keeps_invariants(seed):
             key = rng.choice(list(live))
             bm.free(live.pop(key)[0])
             computed_upto.pop(key)
-        check_invariants(bm, live)
+        check_invariants(bm, [t for t, _ in live.values()], [k for _, k in live.values()])
     assert bm.prefix_cache_hit_blocks == hits
     for table, _ in live.values():
         bm.free(table)

@@ -14,8 +14,7 @@ import pytest
 from minivllm import __version__
 from minivllm.cli import main
 from minivllm.llm import DEFAULT_MODEL
-from minivllm.models import make_tiny_checkpoint
-from proc_helpers import default_sigint, gone, rank_processes, wait_until
+from minivllm.testing import default_sigint, gone, make_tiny_checkpoint, rank_processes, wait_until
 
 OPTIONS = ("--model", "--tp", "--max-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--ignore-eos", "--dtype",
            "--max-model-len", "--chat", "--quiet")

@@ -5,7 +5,7 @@ import shutil
 import pytest
 
 from minivllm.config import INT_FIELDS, Config, resolve_model
-from minivllm.models import make_tiny_checkpoint
+from minivllm.testing import make_tiny_checkpoint
 
 QWEN3 = {"model_type": "qwen3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512}

@@ -7,7 +7,8 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.engine.cuda_graphs import DecodeBuffers, graph_batch_sizes, pick_graph_batch_size, run_padded
 from minivllm.kv_cache import allocate_kv_cache, decode_metadata, prefill_metadata
-from minivllm.models import load_model, make_tiny_checkpoint
+from minivllm.models import load_model
+from minivllm.testing import make_tiny_checkpoint
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 F32 = dict(rtol=1e-5, atol=1e-5)

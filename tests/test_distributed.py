@@ -16,7 +16,7 @@ import torch
 from minivllm.distributed import (Communicator, CountingCommunicator, ProcessGroupCommunicator, RankFailure,
                                   RankProcess, divide, free_port, listen_socket, process_state, run_on_ranks)
 
-from proc_helpers import rank_processes
+from minivllm.testing import rank_processes
 
 
 def collectives(comm):

@@ -8,10 +8,10 @@ import cloudpickle
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from minivllm.distributed import Communicator, run_on_ranks
 from minivllm.shm_allreduce import ShmCommunicator
+from minivllm.testing import TinyLM, load_tensors
 from minivllm.layers.embed_head import (ParallelLMHead, VocabParallelEmbedding, check_input_ids, pad_vocab_size,
                                         vocab_range)
 
@@ -40,21 +40,6 @@ def edge_ids(V, N, n_random=6, seed=0):
     return torch.tensor(sorted(edges) + rand)[None]
 
 
-class TinyLM(nn.Module):
-    "The two vocabulary layers of a model, tied or not."
-    def __init__(self, V, H, tie, **kw):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(V, H, **kw)
-        self.lm_head = ParallelLMHead(V, H, **kw)
-        if tie: self.lm_head.weight = self.embed_tokens.weight
-
-
-def load(model, checkpoint):
-    "Load `checkpoint` (name -> full tensor) through each parameter's weight loader, as a model loader does."
-    params = dict(model.named_parameters())
-    for name, tensor in checkpoint.items(): params[name].weight_loader(params[name], tensor)
-
-
 def check_vocab_layers(comm, cases):
     "On every rank, check each `(V, H)` case against F.embedding / F.linear; rank 0 returns what it checked."
     N, rank, done = comm.world_size, comm.rank, []
@@ -63,7 +48,7 @@ def check_vocab_layers(comm, cases):
         for dtype in (torch.float32, torch.bfloat16):
             W, b, hidden = reference(V, H, dtype)
             emb = VocabParallelEmbedding(V, H, params_dtype=dtype, comm=comm)
-            load(emb, {"weight": W})
+            load_tensors(emb, {"weight": W})
             assert emb.weight.dtype == dtype
             # every rank agrees on the split, and the ranges tile [0, V) in rank order
             ranges = comm.all_gather(torch.tensor([emb.vocab_start_idx, emb.vocab_end_idx]), dim=0).view(N, 2).tolist()
@@ -73,7 +58,7 @@ def check_vocab_layers(comm, cases):
             torch.testing.assert_close(emb(ids), F.embedding(ids, W), **EXACT)
             for bias in (False, True):
                 head = ParallelLMHead(V, H, bias=bias, params_dtype=dtype, comm=comm)
-                load(head, {"weight": W, "bias": b} if bias else {"weight": W})
+                load_tensors(head, {"weight": W, "bias": b} if bias else {"weight": W})
                 logits, greedy = head(hidden), head.greedy_tokens(hidden)
                 if rank == 0:
                     torch.testing.assert_close(logits, F.linear(hidden, W, b if bias else None), **HEAD_TOL[dtype])
@@ -83,7 +68,7 @@ def check_vocab_layers(comm, cases):
             # tied: a checkpoint with no lm_head.weight fills both layers
             tied = TinyLM(V, H, tie=True, params_dtype=dtype, comm=comm)
             assert list(dict(tied.named_parameters())) == ["embed_tokens.weight"]
-            load(tied, {"embed_tokens.weight": W})
+            load_tensors(tied, {"embed_tokens.weight": W})
             torch.testing.assert_close(tied.embed_tokens(ids), F.embedding(ids, W), **EXACT)
             logits = tied.lm_head(hidden)
             if rank == 0: torch.testing.assert_close(logits, hidden @ W.T, **HEAD_TOL[dtype])
@@ -141,8 +126,8 @@ def test_shards_sum_and_concatenate_to_the_reference(N, V, bias):
     ids = edge_ids(V, N)
     embs = [VocabParallelEmbedding(V, H, comm=Communicator(r, N)) for r in range(N)]
     heads = [ParallelLMHead(V, H, bias=bias, comm=Communicator(r, N)) for r in range(N)]
-    for e in embs: load(e, {"weight": W})
-    for h in heads: load(h, {"weight": W, "bias": b} if bias else {"weight": W})
+    for e in embs: load_tensors(e, {"weight": W})
+    for h in heads: load_tensors(h, {"weight": W, "bias": b} if bias else {"weight": W})
     # each shard's local part; the collectives would add and concatenate them
     torch.testing.assert_close(sum(e.embed_local(ids) for e in embs), F.embedding(ids, W), **EXACT)
     logits = torch.cat([h.local_logits(hidden) for h in heads], dim=-1)
@@ -155,7 +140,7 @@ def test_padding_rows_are_zeroed_over_garbage():
     emb = VocabParallelEmbedding(1000, 4, comm=Communicator(2, 3))
     emb.weight.data.fill_(float("nan"))
     W = torch.randn(1000, 4)
-    load(emb, {"weight": W})
+    load_tensors(emb, {"weight": W})
     torch.testing.assert_close(emb.weight.data[:332], W[668:])
     torch.testing.assert_close(emb.weight.data[332:], torch.zeros(2, 4))
 
@@ -166,7 +151,7 @@ def test_tied_checkpoint_fills_both_layers_in_every_shard():
     models = [TinyLM(V, H, tie=True, comm=Communicator(r, N)) for r in range(N)]
     for m in models:
         assert m.lm_head.weight is m.embed_tokens.weight
-        load(m, {"embed_tokens.weight": W})
+        load_tensors(m, {"embed_tokens.weight": W})
     logits = torch.cat([m.lm_head.local_logits(hidden) for m in models], dim=-1)[..., :V]
     torch.testing.assert_close(logits, hidden @ W.T, **HEAD_TOL[torch.float32])
 
@@ -177,7 +162,7 @@ def test_params_dtype_and_loader_conversion():
     assert head.weight.dtype == head.bias.dtype == torch.bfloat16
     assert ParallelLMHead(10, 4).bias is None
     W = torch.randn(10, 4)
-    load(head, {"weight": W, "bias": torch.zeros(10)})  # a float32 checkpoint into bfloat16 parameters
+    load_tensors(head, {"weight": W, "bias": torch.zeros(10)})  # a float32 checkpoint into bfloat16 parameters
     torch.testing.assert_close(head.weight.data, W.to(torch.bfloat16), **EXACT)
 
 
@@ -233,7 +218,7 @@ def test_bad_vocab_size():
 def test_int32_and_int64_ids(dtype):
     W = torch.randn(1000, 4)
     embs = [VocabParallelEmbedding(1000, 4, comm=Communicator(r, 3)) for r in range(3)]
-    for e in embs: load(e, {"weight": W})
+    for e in embs: load_tensors(e, {"weight": W})
     ids = torch.tensor([0, 333, 334, 999], dtype=dtype)
     torch.testing.assert_close(sum(e.embed_local(ids) for e in embs), W[ids.long()], **EXACT)
 
@@ -246,7 +231,7 @@ def test_greedy_pairs_pick_the_first_of_tied_maxima(N):
     W[[2, 7, 11], 0] = 5.0  # three ids tie for the best logit, on different ranks at N > 1
     W[5, 1] = 9.0           # ... unless the hidden state points the other way
     heads = [ParallelLMHead(V, H, comm=CountingGather(r, N)) for r in range(N)]
-    for h in heads: load(h, {"weight": W})
+    for h in heads: load_tensors(h, {"weight": W})
     hidden = torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0], [0, 0, 0, 0]])
     sent = [h.greedy_tokens(hidden) for h in heads]  # each shard's gather records what it sends
     if N == 1:

@@ -2,7 +2,6 @@
 a worker that raises, dies while starting, is killed or frozen, rank 0 killed or interrupted, two channels at once,
 the stale-segment sweep."""
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -18,46 +17,9 @@ from minivllm.distributed import RankFailure
 from minivllm.engine.ipc import ShmCommandChannel, ShmCommandReceiver, encode_command, sweep_stale_segments, worker_loop
 from minivllm.shm_allreduce import segment_name
 
-from proc_helpers import default_sigint, gone, wait_until
+from minivllm.testing import Recorder, default_sigint, gone, records, wait_until
 
 SHM = Path("/dev/shm")
-
-
-def segments() -> set:
-    "The segments this process created (other processes on the machine may have theirs: not our business)."
-    return {p.name for p in SHM.glob(f"minivllm-{os.getpid()}-*")}
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_segments():
-    "Fail a test that leaves one of our segments behind, after removing it so that later tests start clean."
-    before = segments()
-    yield
-    left = segments() - before
-    for name in left:
-        (SHM / name).unlink(missing_ok=True)
-    assert not left, f"segments left in /dev/shm: {sorted(left)}"
-
-
-class Recorder:
-    "Appends every call, as a pickle of (rank, method, args), to `folder/rank<r>.pkl`."
-    def __init__(self, rank, folder): self.rank, self.path = rank, Path(folder) / f"rank{rank}.pkl"
-    def __getattr__(self, method):
-        if method.startswith("_"): raise AttributeError(method)
-        def record(*args):
-            with open(self.path, "ab") as f: pickle.dump((self.rank, method, args), f)
-        return record
-
-
-def records(folder):
-    "Every record in `folder`, each rank's in order (read once the workers have exited)."
-    out = []
-    for path in sorted(Path(folder).glob("rank*.pkl")):
-        with open(path, "rb") as f:
-            while True:
-                try: out.append(pickle.load(f))
-                except EOFError: break
-    return out
 
 
 class Worker:

@@ -2,7 +2,6 @@
 attention metadata, and paged attention (variable-length prefill, cached prefix, decode) == dense causal attention."""
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -13,104 +12,21 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch.nn.functional as F
 
 import minivllm.kv_cache as kv
 from minivllm.kv_cache import (Attention, AttentionMetadata, HAS_TRITON, allocate_kv_cache, attention_backend,
                                causal_mask, decode_metadata, gather_kv, kv_cache_bytes_per_block, prefill_metadata,
                                slot_mapping, store_kvcache, store_kvcache_torch, store_kvcache_triton)
+from minivllm.testing import (ATTENTION_TOL as TOL, PagedCase, cat_rows, check_prefill_then_decode,
+                              tiny_store_inputs)
 
 DTYPES = (torch.float32, torch.bfloat16)
-# float32: the default of assert_close; bfloat16: about one bf16 ulp (2**-8 relative) of the output.
-TOL = {torch.float32: dict(rtol=1.3e-6, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
 EXACT = dict(rtol=0, atol=0)
 CPU_BACKENDS = ("torch", "sdpa")
 HEADS = [(4, 2), (2, 2)]  # (query heads, KV heads): grouped-query and multi-head
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-
-def dense_causal_attention(q, k, v, scale):
-    "Causal attention of one whole sequence `[L, H, D]` (k/v `[L, KVH, D]`) by torch's SDPA, KV heads repeated."
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         is_causal=True, scale=scale)
-    return out.transpose(0, 1)
-
-
-def random_sequences(lengths, num_heads, num_kv_heads, head_dim, dtype, device="cpu", seed=0):
-    "Per sequence, random q `[L, H, D]`, k and v `[L, KVH, D]`."
-    g = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randn(n, h, head_dim, generator=g).to(device, dtype)
-                  for h in (num_heads, num_kv_heads, num_kv_heads)) for n in lengths]
-
-
-def cat_rows(seqs, which, start=None, end=None):
-    "Rows `[start[i], end[i])` of tensor `which` (0: q, 1: k, 2: v) of every sequence `i`, concatenated."
-    start, end = start or [0] * len(seqs), end or [len(s[0]) for s in seqs]
-    return torch.cat([s[which][a:b] for s, a, b in zip(seqs, start, end)])
-
-
-def scattered_block_tables(lengths, block_size, num_blocks, seed=0):
-    "Block tables handed out round-robin from a shuffled pool: non-contiguous and out of order."
-    pool = iter(torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist())
-    need = [math.ceil(n / block_size) for n in lengths]
-    tables = [[] for _ in lengths]
-    for round_ in range(max(need)):
-        for table, n in zip(tables, need):
-            if round_ < n: table.append(next(pool))
-    return tables
-
-
-class PagedCase:
-    "Random sequences in scattered blocks of a fresh one-layer cache, with their dense causal attention."
-    def __init__(self, lengths, block_size, num_heads, num_kv_heads, dtype, device="cpu", head_dim=8, seed=0):
-        self.lengths, self.block_size, self.dtype, self.device = lengths, block_size, dtype, device
-        self.seqs = random_sequences(lengths, num_heads, num_kv_heads, head_dim, dtype, device, seed)
-        num_blocks = sum(math.ceil(n / block_size) for n in lengths) + 2
-        self.tables = scattered_block_tables(lengths, block_size, num_blocks, seed)
-        kv_cache = allocate_kv_cache(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-        self.k_cache, self.v_cache = kv_cache[0, 0], kv_cache[1, 0]
-        self.scale = head_dim ** -0.5
-        self.expected = [dense_causal_attention(q.float(), k.float(), v.float(), self.scale).flatten(1)
-                         for q, k, v in self.seqs]
-        self.attn_args = (num_heads, head_dim, self.scale, num_kv_heads)
-
-    def store_prefix(self, cached):
-        "Put the first `cached[i]` tokens' keys and values of each sequence straight into their slots."
-        slots = sum((slot_mapping(t, 0, c, self.block_size) for t, c in zip(self.tables, cached)), [])
-        store_kvcache(cat_rows(self.seqs, 1, end=cached), cat_rows(self.seqs, 2, end=cached), self.k_cache,
-                      self.v_cache, torch.tensor(slots, dtype=torch.int64, device=self.device))
-
-    def run(self, attn, start, end, metadata):
-        "`attn` on rows `[start, end)` of every sequence, with this case's caches."
-        return attn(*(cat_rows(self.seqs, w, start, end) for w in range(3)), self.k_cache, self.v_cache, metadata)
-
-
-def check_prefill_then_decode(case, cached, backend=None):
-    "Cached prefix, prefill of the rest of each prompt but its last token, decode of that token: all == dense."
-    assert all(0 <= c < n - 1 for c, n in zip(cached, case.lengths)), "each prompt needs a token to prefill and one to decode"
-    attn = Attention(*case.attn_args, backend=backend)
-    last = [n - 1 for n in case.lengths]
-    case.store_prefix(cached)
-    md = prefill_metadata(case.tables, cached, [l - c for l, c in zip(last, cached)], case.block_size, case.device)
-    out = case.run(attn, cached, last, md)
-    assert out.dtype == case.dtype and out.shape == (sum(last) - sum(cached), case.expected[0].shape[1])
-    torch.testing.assert_close(out.float(), torch.cat([e[c:l] for e, c, l in zip(case.expected, cached, last)]),
-                               **TOL[case.dtype])
-    md = decode_metadata(case.tables, case.lengths, case.block_size, case.device)
-    out = case.run(attn, last, None, md)
-    torch.testing.assert_close(out.float(), torch.stack([e[-1] for e in case.expected]), **TOL[case.dtype])
-
-
-def tiny_store_inputs(dtype, T=5, heads=2, head_dim=8, num_blocks=3, block_size=4, slots=(9, 2, -1, 3, 4), seed=0):
-    "Random keys and values `[T, heads, head_dim]`, zeroed caches, and a slot mapping (with a -1)."
-    g = torch.Generator().manual_seed(seed)
-    key, value = (torch.randn(T, heads, head_dim, generator=g).to(dtype) for _ in range(2))
-    k_cache, v_cache = (torch.zeros(num_blocks, block_size, heads, head_dim, dtype=dtype) for _ in range(2))
-    return key, value, k_cache, v_cache, torch.tensor(slots, dtype=torch.int64)
-
 
 # ---------------------------------------------------------------------------------------------- layout, slots
 
@@ -144,7 +60,7 @@ def test_slot_mapping_rejects_positions_outside_the_table(start, end):
 
 def test_store_torch_writes_slots_and_skips_minus_one():
     "Each token's key and value land in its slot's row; the -1 token lands nowhere; other rows stay zero."
-    key, value, k_cache, v_cache, slots = tiny_store_inputs(torch.float32)
+    key, value, k_cache, v_cache, slots = tiny_store_inputs(torch.float32, seed=0)
     store_kvcache_torch(key, value, k_cache, v_cache, slots)
     flat_k, flat_v = k_cache.view(12, 2, 8), v_cache.view(12, 2, 8)
     for token, slot in enumerate(slots.tolist()):
@@ -156,7 +72,7 @@ def test_store_torch_writes_slots_and_skips_minus_one():
 
 
 def test_store_rejects_bad_arguments():
-    key, value, k_cache, v_cache, slots = tiny_store_inputs(torch.float32)
+    key, value, k_cache, v_cache, slots = tiny_store_inputs(torch.float32, seed=0)
     with pytest.raises(ValueError, match="slot_mapping must be int64"):
         store_kvcache(key, value, k_cache, v_cache, slots.int())
     with pytest.raises(ValueError, match="slot_mapping must be int64 of shape"):
@@ -171,7 +87,7 @@ def test_store_dispatcher_uses_the_fallback_on_cpu(monkeypatch):
     "On CPU tensors the dispatcher never calls the Triton kernel (the interpreter is for checking only)."
     def no_triton(*args): raise AssertionError("store_kvcache_triton was called on CPU tensors")
     monkeypatch.setattr(kv, "store_kvcache_triton", no_triton)
-    key, value, k_cache, v_cache, slots = tiny_store_inputs(torch.float32)
+    key, value, k_cache, v_cache, slots = tiny_store_inputs(torch.float32, seed=0)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     store_kvcache(key, value, k_cache, v_cache, slots)
     store_kvcache_torch(key, value, k_ref, v_ref, slots)
@@ -208,7 +124,7 @@ def _check_kernel_runs_here():
 def test_store_triton_matches_torch(dtype, heads, head_dim, slots):
     "The Triton kernel (in the interpreter on CPU) writes exactly what the torch fallback writes, -1 slots included."
     _check_kernel_runs_here()
-    key, value, k_ref, v_ref, slot_t = tiny_store_inputs(dtype, heads=heads, head_dim=head_dim, slots=slots)
+    key, value, k_ref, v_ref, slot_t = tiny_store_inputs(dtype, heads=heads, head_dim=head_dim, slots=slots, seed=0)
     k_tri, v_tri = k_ref.clone(), v_ref.clone()
     store_kvcache_torch(key, value, k_ref, v_ref, slot_t)
     store_kvcache_triton(key, value, k_tri, v_tri, slot_t)
@@ -233,7 +149,7 @@ def test_store_triton_follows_the_row_stride_of_a_qkv_view():
 def test_store_triton_refuses_cpu_tensors_it_cannot_write(monkeypatch):
     "With a triton whose interpreter cannot write CPU tensors, the kernel refuses them instead of storing nothing."
     monkeypatch.setattr(kv, "TRITON_RUNS_ON_CPU", False)
-    key, value, k_cache, v_cache, slots = tiny_store_inputs(torch.float32)
+    key, value, k_cache, v_cache, slots = tiny_store_inputs(torch.float32, seed=0)
     with pytest.raises(RuntimeError, match="cannot run kernels on CPU tensors .* use store_kvcache_torch"):
         store_kvcache_triton(key, value, k_cache, v_cache, slots)
     assert not k_cache.any() and not v_cache.any()
@@ -420,7 +336,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_store_triton_on_cuda_matches_torch(dtype):
-    key, value, k_ref, v_ref, slots = (t.cuda() for t in tiny_store_inputs(dtype, T=5))
+    key, value, k_ref, v_ref, slots = (t.cuda() for t in tiny_store_inputs(dtype, T=5, seed=0))
     k_tri, v_tri = k_ref.clone(), v_ref.clone()
     store_kvcache_torch(key, value, k_ref, v_ref, slots)
     store_kvcache(key, value, k_tri, v_tri, slots)

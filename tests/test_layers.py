@@ -7,12 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import LlamaConfig
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from minivllm.config import Config
+from minivllm.testing import hf_rope, hf_rotate
 from minivllm.layers.common import (GREEDY_TEMPERATURE, RMSNorm, RotaryEmbedding, Sampler, SiluAndMul,
                                     apply_top_k_top_p, check_sampling_inputs, exponential_noise, get_rope,
                                     rope_inv_freq, row_seed)
@@ -93,21 +92,6 @@ def test_silu_and_mul_odd_width():
 
 
 # ---------------------------------------------------------------- rotary embedding
-
-def hf_rope(head_dim, max_position, base, rope_scaling=None):
-    "transformers' Llama rotary embedding, configured with the keys that transformers 4 and 5 both read."
-    cfg = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
-                      max_position_embeddings=max_position, rope_theta=base,
-                      rope_scaling=dict(rope_scaling) if rope_scaling else None)  # a copy: transformers 5 writes into it
-    return LlamaRotaryEmbedding(cfg)
-
-
-def hf_rotate(rope, positions, q, k):
-    "transformers' rotation of q, k `[T, heads, head_dim]`."
-    cos, sin = rope(q, positions[None])
-    q, k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-    return q[0].transpose(0, 1), k[0].transpose(0, 1)
-
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("base", [1e4, 5e5, 1e6])

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from minivllm.distributed import Communicator, run_on_ranks
 from minivllm.shm_allreduce import ShmCommunicator
+from minivllm.testing import gqa_attention, load_layer, rand, split_heads
 from minivllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                     ReplicatedLinear, RowParallelLinear, heads_per_rank)
 
@@ -35,22 +36,6 @@ HEAD, HIDDEN = 4, 32
 GQA = [(32, 8), (4, 2), (8, 1)]    # (query heads, KV heads): plain split, replication at TP=4, MQA
 
 
-def rand(*shape, seed, dtype=torch.float32):
-    "Reproducible random tensor; weights `(out, in)` scaled by `1/sqrt(in)` so outputs stay of order one."
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randn(*shape, generator=g) / (shape[-1] ** 0.5 if len(shape) == 2 else 1)
-    return t.to(dtype)
-
-
-def load(layer, weight, bias=None, shard_id=None):
-    "Load full checkpoint tensors through the parameters' `weight_loader`s, as a model loader does."
-    extra = () if shard_id is None else (shard_id,)
-    layer.weight.weight_loader(layer.weight, weight, *extra)
-    if bias is not None:
-        layer.bias.weight_loader(layer.bias, bias, *extra)
-    return layer
-
-
 # ---------------------------------------------------------------- what every rank runs
 
 def stack_ranks(comm, t):
@@ -63,16 +48,16 @@ def rank_layers(comm, x, W, b, W2, b2, Wg, Wu, bg, bu, Wd, bd):
     n, r, bias, dt = comm.world_size, comm.rank, b is not None, W.dtype
     kw = dict(params_dtype=dt, comm=comm)
     x_r = x.chunk(n, dim=-1)[r]  # this rank's input features, for the row layers fed with `x`
-    rep = load(ReplicatedLinear(IN, OUT, bias, **kw), W, b)
-    col = load(ColumnParallelLinear(IN, OUT, bias, **kw), W, b)
-    col_gathered = load(ColumnParallelLinear(IN, OUT, bias, gather_output=True, **kw), W, b)
-    row = load(RowParallelLinear(IN, OUT, bias, **kw), W, b)
-    row_partial = load(RowParallelLinear(IN, OUT, bias, reduce_results=False, **kw), W, b)
-    row2 = load(RowParallelLinear(OUT, IN, bias, **kw), W2, b2)
+    rep = load_layer(ReplicatedLinear(IN, OUT, bias, **kw), W, b)
+    col = load_layer(ColumnParallelLinear(IN, OUT, bias, **kw), W, b)
+    col_gathered = load_layer(ColumnParallelLinear(IN, OUT, bias, gather_output=True, **kw), W, b)
+    row = load_layer(RowParallelLinear(IN, OUT, bias, **kw), W, b)
+    row_partial = load_layer(RowParallelLinear(IN, OUT, bias, reduce_results=False, **kw), W, b)
+    row2 = load_layer(RowParallelLinear(OUT, IN, bias, **kw), W2, b2)
     gate_up = MergedColumnParallelLinear(IN, [MID, MID], bias, **kw)
-    load(gate_up, Wg, bg, shard_id=0)
-    load(gate_up, Wu, bu, shard_id=1)
-    down = load(RowParallelLinear(MID, IN, bias, **kw), Wd, bd)
+    load_layer(gate_up, Wg, bg, shard_id=0)
+    load_layer(gate_up, Wu, bu, shard_id=1)
+    down = load_layer(RowParallelLinear(MID, IN, bias, **kw), Wd, bd)
     gate, up = gate_up(x).chunk(2, dim=-1)
     s = lambda t: stack_ranks(comm, t)
     return dict(replicated=s(rep(x)), column=s(col(x)), column_gathered=s(col_gathered(x)), row=s(row(x_r)),
@@ -84,7 +69,7 @@ def rank_qkv(comm, x, Wq, Wk, Wv, bq, bk, bv, nq, nkv):
     "A QKV layer on this rank; every rank's q, k, v and the global head ids it holds."
     qkv = QKVParallelLinear(HIDDEN, HEAD, nq, nkv, bias=bq is not None, params_dtype=Wq.dtype, comm=comm)
     for sid, w, b in zip("qkv", (Wq, Wk, Wv), (bq, bk, bv)):
-        load(qkv, w, b, shard_id=sid)
+        load_layer(qkv, w, b, shard_id=sid)
     q, k, v = qkv(x).split([qkv.q_size, qkv.kv_size, qkv.kv_size], dim=-1)
     s = lambda t: stack_ranks(comm, t)
     return dict(q=s(q), k=s(k), v=s(v), q_heads=s(torch.tensor(list(qkv.q_head_ids))),
@@ -93,7 +78,7 @@ def rank_qkv(comm, x, Wq, Wk, Wv, bq, bk, bv, nq, nkv):
 
 def rank_bias_once(comm):
     "A row-parallel layer with zero weight: its output is its bias, once, whatever the TP size."
-    row = load(RowParallelLinear(IN, OUT, bias=True, comm=comm), torch.zeros(OUT, IN), torch.arange(1.0, OUT + 1))
+    row = load_layer(RowParallelLinear(IN, OUT, bias=True, comm=comm), torch.zeros(OUT, IN), torch.arange(1.0, OUT + 1))
     return stack_ranks(comm, row(torch.ones(2, IN // comm.world_size)))
 
 
@@ -208,10 +193,10 @@ def test_row_parallel_adds_bias_exactly_once(tp):
 
 def test_a_placed_shard_refuses_to_reduce():
     "A shard built with a placement (no process group) computes locally, and refuses the collective it cannot do."
-    row = load(RowParallelLinear(IN, OUT, comm=Communicator(1, 2)), rand(OUT, IN, seed=0))
+    row = load_layer(RowParallelLinear(IN, OUT, comm=Communicator(1, 2)), rand(OUT, IN, seed=0))
     with pytest.raises(RuntimeError, match="places a shard as rank 1 of 2 but has no process group"):
         row(torch.ones(2, IN // 2))
-    col = load(ColumnParallelLinear(IN, OUT, gather_output=True, comm=Communicator(1, 2)), rand(OUT, IN, seed=0))
+    col = load_layer(ColumnParallelLinear(IN, OUT, gather_output=True, comm=Communicator(1, 2)), rand(OUT, IN, seed=0))
     with pytest.raises(RuntimeError, match="has no process group"):
         col(torch.ones(2, IN))
 
@@ -223,32 +208,22 @@ def expected_heads(nq, nkv, tp, r):
     return q, kv
 
 
-def heads(t, n):
-    "`(tokens, n*HEAD)` -> `(n, tokens, HEAD)`."
-    return t.unflatten(-1, (n, HEAD)).transpose(0, 1)
-
-
-def gqa_attention(q, k, v):
-    k, v = (t.repeat_interleave(q.shape[0] // k.shape[0], dim=0) for t in (k, v))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
 @params("nq,nkv,dtype,bias", QKV_CASES, ids=[f"{nq}q{nkv}kv-{dtype_ids[d]}-{'bias' if b else 'nobias'}" for nq, nkv, d, b in QKV_CASES])
 @params("tp", TPS, ids=lambda n: f"tp{n}")
 def test_qkv_rank_outputs_are_head_slices(tp, nq, nkv, dtype, bias):
     inp, out = results(tp)[("qkv", nq, nkv, dtype, bias)]
     tol = TOL[dtype]
     x = inp["x"]
-    full_q = heads(ref_linear(x, inp["Wq"], inp["bq"]), nq)
-    full_k = heads(ref_linear(x, inp["Wk"], inp["bk"]), nkv)
-    full_v = heads(ref_linear(x, inp["Wv"], inp["bv"]), nkv)
+    full_q = split_heads(ref_linear(x, inp["Wq"], inp["bq"]), nq)
+    full_k = split_heads(ref_linear(x, inp["Wk"], inp["bk"]), nkv)
+    full_v = split_heads(ref_linear(x, inp["Wv"], inp["bv"]), nkv)
     full_attn = gqa_attention(full_q.float(), full_k.float(), full_v.float())
     group = nq // nkv
     for r in range(tp):
         q_ids, kv_ids = expected_heads(nq, nkv, tp, r)
         assert out["q_heads"][r].tolist() == q_ids and out["kv_heads"][r].tolist() == kv_ids
         assert sorted({h // group for h in q_ids}) == kv_ids  # the KV heads its q heads read: all here
-        q, k, v = heads(out["q"][r], len(q_ids)), heads(out["k"][r], len(kv_ids)), heads(out["v"][r], len(kv_ids))
+        q, k, v = split_heads(out["q"][r], len(q_ids)), split_heads(out["k"][r], len(kv_ids)), split_heads(out["v"][r], len(kv_ids))
         torch.testing.assert_close(q, full_q[q_ids], **tol)
         torch.testing.assert_close(k, full_k[kv_ids], **tol)
         torch.testing.assert_close(v, full_v[kv_ids], **tol)
@@ -281,7 +256,7 @@ def test_merged_unequal_parts_each_rank(tp):
     for r in range(tp):
         layer = MergedColumnParallelLinear(IN, sizes, bias=True, comm=Communicator(r, tp))
         for i, (W, b) in enumerate(zip(Ws, bs)):
-            load(layer, W, b, shard_id=i)
+            load_layer(layer, W, b, shard_id=i)
         want = torch.cat([rank_slice(ref_linear(x, W, b), r, tp) for W, b in zip(Ws, bs)], dim=-1)
         torch.testing.assert_close(layer(x), want, **TOL[torch.float32])
 
@@ -294,7 +269,7 @@ def test_default_dtype_and_no_bias():
 
 def test_loader_casts_checkpoint_dtype():
     W = rand(OUT, IN, seed=0)
-    layer = load(RowParallelLinear(IN, OUT, comm=Communicator(1, 2), params_dtype=torch.bfloat16), W)
+    layer = load_layer(RowParallelLinear(IN, OUT, comm=Communicator(1, 2), params_dtype=torch.bfloat16), W)
     assert torch.equal(layer.weight, W[:, IN // 2:].to(torch.bfloat16))
 
 
@@ -392,7 +367,7 @@ def test_qkv_bad_shard_id(shard_id):
 def test_wrong_checkpoint_shape(make, tensor, shard_id, match):
     layer = make()
     with pytest.raises(ValueError, match=match):
-        load(layer, tensor, shard_id=shard_id)
+        load_layer(layer, tensor, shard_id=shard_id)
 
 
 def test_wrong_bias_shape():

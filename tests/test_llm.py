@@ -17,26 +17,10 @@ import transformers
 
 from minivllm import LLM, SamplingParams
 from minivllm.distributed import RankFailure
-from minivllm.models import make_tiny_checkpoint
-
-from proc_helpers import default_sigint, gone, wait_until
+from minivllm.testing import InterruptedAfterOneStep, default_sigint, gone, make_tiny_checkpoint, shm_segments, wait_until
 
 SHM = Path("/dev/shm")
 MAX_TOKENS = 16
-
-
-def our_segments(pid: int | None = None) -> set:
-    "minivllm shared-memory segments created by process `pid` (default: this one)."
-    return {p.name for p in SHM.glob(f"minivllm-{pid or os.getpid()}-*")}
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_segments():
-    before = our_segments()
-    yield
-    left = our_segments() - before
-    for name in left: (SHM / name).unlink(missing_ok=True)
-    assert not left, f"segments left in /dev/shm: {sorted(left)}"
 
 
 def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -258,7 +242,7 @@ def test_rank0_interrupted_exiting_or_killed_leaves_nothing_behind(tiny, how):
     else:
         assert proc.returncode == 0, err
     assert wait_until(lambda: all(gone(pid) for pid in info["workers"]), 10), "a worker outlived rank 0"
-    assert not (SHM / info["segment"]).exists() and not our_segments(proc.pid)
+    assert not (SHM / info["segment"]).exists() and not shm_segments(proc.pid)
 
 
 TWO_ENGINES = textwrap.dedent("""
@@ -401,18 +385,6 @@ def test_a_stopped_worker_is_named_within_seconds(tiny):
         llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
     assert time.monotonic() - t0 < 10
     assert llm.closed and not worker.is_alive() and not (SHM / segment).exists()
-
-
-class InterruptedAfterOneStep(LLM):
-    "An LLM whose first `step` is followed by a KeyboardInterrupt, as Ctrl-C in the progress bar would raise."
-    interrupt = True
-
-    def step(self):
-        out = super().step()
-        if self.interrupt:
-            self.interrupt = False
-            raise KeyboardInterrupt
-        return out
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -11,7 +11,8 @@ import transformers
 from minivllm.distributed import Communicator, run_on_ranks
 from minivllm.shm_allreduce import ShmCommunicator
 from minivllm.kv_cache import allocate_kv_cache, prefill_metadata
-from minivllm.models import greedy_generate, load_model, make_tiny_checkpoint
+from minivllm.models import load_model
+from minivllm.testing import greedy_generate, hf_greedy, hf_logits, make_tiny_checkpoint, prefill_logits
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks get these functions by value
 transformers.logging.set_verbosity_error()
@@ -43,53 +44,32 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def prefill_logits(model, prompts):
-    "Logits of every prompt token from one flat prefill batch without a KV cache (rank 0; None elsewhere)."
-    ids = torch.tensor(sum(prompts, []))
-    positions = torch.cat([torch.arange(len(p)) for p in prompts])
-    md = prefill_metadata([[] for _ in prompts], [0] * len(prompts), [len(p) for p in prompts], block_size=16)
-    with torch.no_grad():
-        return model.compute_logits(model(ids, positions, None, md))
-
-
 def all_prefill_logits(comm, paths, dtypes):
     "Our prefill logits for every checkpoint and dtype, computed on this rank."
     return {(name, str(dt)): prefill_logits(load_model(path, dtype=dt, comm=comm), PREFILL_PROMPTS)
             for name, path in paths.items() for dt in dtypes}
 
 
-def hf_prefill_logits(path, dtype):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    with torch.no_grad():
-        return torch.cat([hf(torch.tensor([p])).logits[0] for p in PREFILL_PROMPTS])
-
-
 @pytest.fixture(scope="module")
-def hf_logits(checkpoints):
-    return {(name, str(dt)): hf_prefill_logits(path, dt)
+def hf_prefill(checkpoints):
+    return {(name, str(dt)): hf_logits(path, PREFILL_PROMPTS, dt)
             for name, path in checkpoints.items() for dt in (torch.float32, torch.bfloat16)}
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_prefill_logits_match_transformers(checkpoints, hf_logits, tp):
+def test_prefill_logits_match_transformers(checkpoints, hf_prefill, tp):
     dtypes = (torch.float32, torch.bfloat16)
     ours = (all_prefill_logits(Communicator(), checkpoints, dtypes) if tp == 1 else
             run_on_ranks(all_prefill_logits, tp, checkpoints, dtypes, connect=ShmCommunicator.connect))
     for name in checkpoints:
-        theirs = hf_logits[(name, "torch.float32")]
+        theirs = hf_prefill[(name, "torch.float32")]
         scale = theirs.abs().max()
         torch.testing.assert_close(ours[(name, "torch.float32")], theirs, atol=1e-4 * scale, rtol=0,
                                    msg=lambda m: f"{name} float32 at TP={tp}: {m}")
-        bf_ours, bf_theirs = ours[(name, "torch.bfloat16")], hf_logits[(name, "torch.bfloat16")]
+        bf_ours, bf_theirs = ours[(name, "torch.bfloat16")], hf_prefill[(name, "torch.bfloat16")]
         assert bf_ours.dtype == torch.bfloat16
         agree = (bf_ours.argmax(-1) == bf_theirs.argmax(-1)).float().mean().item()
         assert agree >= 0.99, f"{name} bfloat16 at TP={tp}: argmax agrees on only {agree:.1%} of positions"
-
-
-def hf_greedy(path, prompts, n):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return [hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                        pad_token_id=0)[0, len(p):].tolist() for p in prompts]
 
 
 def generate_all(comm, paths, block_sizes, n):

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from conftest import ROOT
-from proc_helpers import rank_processes
+from minivllm.testing import rank_processes
 
 
 def test_the_python_example_runs_as_a_script(tmp_path):

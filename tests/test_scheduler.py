@@ -5,96 +5,13 @@ checked against the budgets."""
 from __future__ import annotations
 
 import random
-from collections import Counter
 
 import pytest
 
 from minivllm.config import check_token_ids
 from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.scheduler import Scheduler, ScheduledBatch, SamplingParams, Sequence, SequenceStatus
-from minivllm.kv_cache import decode_metadata, prefill_metadata, slot_mapping
-
-VOCAB = 50
-
-
-def next_token(context: list[int]) -> int:
-    "The fake model: a deterministic function of every token of the context and its position."
-    return (7 * sum((i + 1) * t for i, t in enumerate(context)) + 1) % VOCAB
-
-
-class FakeRunner:
-    "Runs batches against a cache of token ids: stores new tokens by slot, predicts from the context read back."
-    def __init__(self, num_blocks: int, block_size: int):
-        self.block_size, self.cache = block_size, [None] * (num_blocks * block_size)
-
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
-        bs = self.block_size
-        md = (prefill_metadata(batch.block_tables, batch.num_computed_tokens, batch.num_new_tokens, bs) if batch.is_prefill
-              else decode_metadata(batch.block_tables, batch.context_lens, bs))
-        for slot, token in zip(md.slot_mapping.tolist(), batch.input_ids, strict=True):
-            self.cache[slot] = token
-        sampled = []
-        for seq, context_len, samples in zip(batch.seqs, batch.context_lens, batch.samples):
-            if not samples:
-                sampled.append(None)
-                continue
-            context = [self.cache[s] for s in slot_mapping(seq.block_table, 0, context_len, bs)]
-            assert None not in context, f"sequence {seq.seq_id} read a slot that was never written"
-            sampled.append(next_token(context))
-        return sampled
-
-
-def reference_tokens(prompt, params: SamplingParams, eos_token_ids=(), max_model_len=10**9) -> list[int]:
-    "What one request alone generates: `next_token` of the whole context, step by step, no cache at all."
-    tokens = list(prompt)
-    while True:
-        tokens.append(next_token(tokens))
-        t, out = tokens[-1], tokens[len(prompt):]
-        if t in params.stop_token_ids or (t in eos_token_ids and not params.ignore_eos) \
-           or len(out) >= params.max_tokens or len(tokens) >= max_model_len:
-            return out
-
-
-def check_batch(scheduler: Scheduler, batch: ScheduledBatch):
-    "The budgets hold, the batch is well formed, and only running sequences hold blocks, by reference count."
-    bm = scheduler.block_manager
-    assert 1 <= batch.num_seqs <= scheduler.max_num_seqs
-    assert batch.num_batched_tokens <= scheduler.max_num_batched_tokens
-    assert len({s.seq_id for s in batch.seqs}) == batch.num_seqs
-    assert min(batch.num_new_tokens) >= 1
-    assert all(s.status is SequenceStatus.RUNNING for s in batch.seqs)
-    if not batch.is_prefill:
-        assert batch.num_new_tokens == [1] * batch.num_seqs and all(batch.samples)
-        assert batch.context_lens == [s.num_tokens for s in batch.seqs]
-    for seq, context_len in zip(batch.seqs, batch.context_lens):
-        assert len(seq.block_table) * bm.block_size >= context_len
-    held = Counter(b for s in scheduler.running for b in s.block_table)
-    assert all(blk.ref_count == held[blk.block_id] for blk in bm.blocks)
-    assert not any(s.block_table for s in scheduler.waiting)
-    assert len(scheduler.running) <= scheduler.max_num_seqs
-
-
-def run(scheduler: Scheduler, requests, arrivals=None, runner: FakeRunner | None = None):
-    "Drive `scheduler` with a `FakeRunner` until every request finishes; `(sequences, batches)`."
-    bm = scheduler.block_manager
-    runner = runner or FakeRunner(bm.num_blocks, bm.block_size)
-    arrivals = arrivals or [0] * len(requests)
-    seqs, batches, step = [None] * len(requests), [], 0
-    while step <= max(arrivals) or not scheduler.is_finished():
-        for i, (prompt, params) in enumerate(requests):
-            if arrivals[i] == step:
-                seqs[i] = scheduler.add(prompt, params)
-        step += 1
-        if scheduler.is_finished():
-            continue
-        batch = scheduler.schedule()
-        check_batch(scheduler, batch)
-        finished = scheduler.postprocess(batch, runner.run(batch))
-        assert all(s.is_finished and s.block_table == [] and s not in scheduler.running for s in finished)
-        batches.append(batch)
-        assert step < 10_000, "the scheduler does not make progress"
-    assert bm.num_free_blocks == bm.num_blocks
-    return seqs, batches
+from minivllm.engine.scheduler import Scheduler, SamplingParams, Sequence, SequenceStatus
+from minivllm.testing import FAKE_VOCAB, FakeRunner, reference_tokens, run_scheduler
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
@@ -106,14 +23,14 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_
 def workload(seed: int, n: int = 10):
     "Requests over a few shared prefixes (one prompt is exactly a prefix), of mixed lengths, some stopping at EOS."
     rng = random.Random(seed)
-    shared = [[rng.randrange(VOCAB) for _ in range(rng.randrange(4, 14))] for _ in range(2)]
+    shared = [[rng.randrange(FAKE_VOCAB) for _ in range(rng.randrange(4, 14))] for _ in range(2)]
     prompts = []
     for i in range(n):
         kind = rng.random()
         if kind < 0.5:
-            prompts.append(rng.choice(shared) + [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 10))])
+            prompts.append(rng.choice(shared) + [rng.randrange(FAKE_VOCAB) for _ in range(rng.randrange(0, 10))])
         else:
-            prompts.append([rng.randrange(VOCAB) for _ in range(rng.randrange(1, 40))])
+            prompts.append([rng.randrange(FAKE_VOCAB) for _ in range(rng.randrange(1, 40))])
     return [(p, SamplingParams(max_tokens=rng.randrange(1, 20), ignore_eos=rng.random() < 0.7)) for p in prompts]
 
 
@@ -179,8 +96,8 @@ def test_bad_prompts_are_refused(prompt, message):
 def test_all_requests_finish_with_exactly_max_tokens_when_ignoring_eos():
     requests = [(list(range(1, 1 + n)), SamplingParams(max_tokens=m, ignore_eos=True))
                 for n, m in [(3, 1), (5, 7), (9, 2), (17, 12), (1, 30)]]
-    sched = make_scheduler(num_blocks=32, eos_token_ids=list(range(VOCAB)))  # every token is an EOS, ignored
-    seqs, _ = run(sched, requests)
+    sched = make_scheduler(num_blocks=32, eos_token_ids=list(range(FAKE_VOCAB)))  # every token is an EOS, ignored
+    seqs, _ = run_scheduler(sched, requests)
     assert [s.num_completion_tokens for s in seqs] == [1, 7, 2, 12, 30]
     assert all(s.finish_reason == "length" and s.status is SequenceStatus.FINISHED for s in seqs)
     assert [s.completion_token_ids for s in seqs] == [reference_tokens(p, sp) for p, sp in requests]
@@ -204,7 +121,7 @@ def test_same_tokens_whatever_the_schedule(setting, block_size):
     for seed in range(3):
         requests = workload(seed)
         sched = make_scheduler(num_blocks, block_size, eos_token_ids=eos, **kw)
-        seqs, batches = run(sched, requests, arrivals=[i // 3 for i in range(len(requests))])
+        seqs, batches = run_scheduler(sched, requests, arrivals=[i // 3 for i in range(len(requests))])
         assert [s.completion_token_ids for s in seqs] == [reference_tokens(p, sp, eos) for p, sp in requests]
         preemptions += sched.num_preemptions
         chunked_steps += sum(not all(b.samples) for b in batches if b.is_prefill)
@@ -215,7 +132,7 @@ def test_same_tokens_whatever_the_schedule(setting, block_size):
 def test_one_sequence_at_a_time_is_the_reference_schedule():
     sched = make_scheduler(max_num_seqs=1, max_num_batched_tokens=64)
     requests = workload(7, n=5)
-    seqs, batches = run(sched, requests)
+    seqs, batches = run_scheduler(sched, requests)
     assert all(b.num_seqs == 1 for b in batches)
     order = [b.seqs[0].seq_id for b in batches]
     assert order == sorted(order)  # first come, first served, each to its end
@@ -225,7 +142,7 @@ def test_decode_waits_while_prompts_are_prefilled():
     sched = make_scheduler(max_num_batched_tokens=8)
     requests = [([1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True)),
                 (list(range(20)), SamplingParams(max_tokens=2, ignore_eos=True))]
-    seqs, batches = run(sched, requests, arrivals=[0, 2])
+    seqs, batches = run_scheduler(sched, requests, arrivals=[0, 2])
     kinds = [(b.is_prefill, [s.seq_id for s in b.seqs], b.num_new_tokens) for b in batches[:6]]
     assert kinds == [(True, [0], [3]), (False, [0], [1]), (True, [1], [8]), (True, [1], [8]), (True, [1], [4]),
                      (False, [0, 1], [1, 1])]
@@ -234,7 +151,7 @@ def test_decode_waits_while_prompts_are_prefilled():
 def test_chunked_prefill_computes_each_token_once():
     sched = make_scheduler(max_num_seqs=4, max_num_batched_tokens=7)
     prompt = list(range(30))
-    (seq,), batches = run(sched, [(prompt, SamplingParams(max_tokens=3, ignore_eos=True))])
+    (seq,), batches = run_scheduler(sched, [(prompt, SamplingParams(max_tokens=3, ignore_eos=True))])
     prefill = [b for b in batches if b.is_prefill]
     assert [b.num_computed_tokens[0] for b in prefill] == [0, 7, 14, 21, 28]
     assert [b.num_new_tokens[0] for b in prefill] == [7, 7, 7, 7, 2]
@@ -246,7 +163,7 @@ def test_a_chunk_ending_one_token_short_finishes_as_a_decode():
     "A 9-token prompt with a budget of 8: the 9th token is computed by a decode step, which samples."
     sched = make_scheduler(max_num_seqs=4, max_num_batched_tokens=8)
     prompt = list(range(9))
-    (seq,), batches = run(sched, [(prompt, SamplingParams(max_tokens=2, ignore_eos=True))])
+    (seq,), batches = run_scheduler(sched, [(prompt, SamplingParams(max_tokens=2, ignore_eos=True))])
     assert [(b.is_prefill, b.num_computed_tokens, b.num_new_tokens, b.samples) for b in batches] == \
            [(True, [0], [8], [False]), (False, [8], [1], [True]), (False, [9], [1], [True])]
     assert seq.completion_token_ids == reference_tokens(prompt, SamplingParams(max_tokens=2))
@@ -255,7 +172,7 @@ def test_a_chunk_ending_one_token_short_finishes_as_a_decode():
 def test_preemption_is_counted_and_recomputed():
     requests = [(list(range(10 * i, 10 * i + 6)), SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(3)]
     sched = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
-    seqs, batches = run(sched, requests)
+    seqs, batches = run_scheduler(sched, requests)
     assert sched.num_preemptions == 2 and [s.num_preemptions for s in seqs] == [0, 1, 1]
     assert [([p.seq_id for p in b.preempted], [s.seq_id for s in b.seqs]) for b in batches if b.preempted] == \
            [([2], [0, 1]), ([1], [0])]
@@ -285,7 +202,7 @@ def test_prefix_cache_hits_and_fully_cached_prompt():
                 (prefix + [2, 3, 4], SamplingParams(max_tokens=4, ignore_eos=True)),
                 (prefix, SamplingParams(max_tokens=2, ignore_eos=True))]  # entirely cached
     sched = make_scheduler(num_blocks=16, block_size=4)
-    seqs, batches = run(sched, requests, arrivals=[0, 1, 2])
+    seqs, batches = run_scheduler(sched, requests, arrivals=[0, 1, 2])
     assert [s.num_cached_tokens for s in seqs] == [0, 8, 4]
     assert [b.num_new_tokens for b in batches[:3]] == [[9], [3], [4]]
     assert sched.block_manager.prefix_cache_hit_tokens == 12
@@ -298,10 +215,10 @@ def test_same_prompt_in_one_step_does_not_share_uncomputed_blocks():
     requests = [(prompt, SamplingParams(max_tokens=2, ignore_eos=True))] * 2
     sched = make_scheduler()
     runner = FakeRunner(sched.block_manager.num_blocks, sched.block_manager.block_size)
-    seqs, batches = run(sched, requests, runner=runner)
+    seqs, batches = run_scheduler(sched, requests, runner=runner)
     assert [s.num_cached_tokens for s in seqs] == [0, 0]
     assert batches[0].num_new_tokens == [12, 12]
-    seqs, _ = run(sched, requests, runner=runner)  # later, both find the published blocks
+    seqs, _ = run_scheduler(sched, requests, runner=runner)  # later, both find the published blocks
     assert [s.num_cached_tokens for s in seqs] == [8, 8]
 
 
@@ -315,7 +232,7 @@ def test_eos_and_stop_tokens_finish_requests_and_free_blocks():
                 (prompt, SamplingParams(max_tokens=20, ignore_eos=True)),
                 (prompt, SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=[eos])),
                 (prompt, SamplingParams(max_tokens=20, stop_token_ids=[free_run[1]]))]
-    seqs, _ = run(sched, requests)  # run() checks that every block is free at the end
+    seqs, _ = run_scheduler(sched, requests)  # run_scheduler() checks that every block is free at the end
     assert [(s.finish_reason, s.completion_token_ids) for s in seqs] == \
            [("stop", free_run[:cut]), ("length", free_run), ("stop", free_run[:cut]),
             ("stop", free_run[:free_run.index(free_run[1]) + 1])]
@@ -324,10 +241,10 @@ def test_eos_and_stop_tokens_finish_requests_and_free_blocks():
 
 def test_max_model_len_caps_prompt_and_output():
     sched = make_scheduler(max_model_len=10)
-    (seq,), _ = run(sched, [([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))])
+    (seq,), _ = run_scheduler(sched, [([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))])
     assert (seq.finish_reason, seq.num_tokens) == ("length", 10)
     assert seq.completion_token_ids == reference_tokens([1, 2, 3], SamplingParams(max_tokens=7))
-    (seq,), _ = run(sched, [(list(range(9)), SamplingParams(max_tokens=50))])
+    (seq,), _ = run_scheduler(sched, [(list(range(9)), SamplingParams(max_tokens=50))])
     assert seq.num_completion_tokens == 1
 
 
@@ -341,10 +258,10 @@ def test_random_workloads_and_settings(seed):
     max_num_seqs = rng.randrange(1, 8)
     kw = dict(block_size=block_size, max_num_seqs=max_num_seqs,
               num_blocks=-(-longest // block_size) + rng.randrange(0, 30),
-              max_num_batched_tokens=max_num_seqs + rng.randrange(0, 40), eos_token_ids=[rng.randrange(VOCAB)])
+              max_num_batched_tokens=max_num_seqs + rng.randrange(0, 40), eos_token_ids=[rng.randrange(FAKE_VOCAB)])
     sched = make_scheduler(**kw)
     arrivals = sorted(rng.randrange(0, 20) for _ in requests)
-    seqs, _ = run(sched, requests, arrivals)
+    seqs, _ = run_scheduler(sched, requests, arrivals)
     assert [s.completion_token_ids for s in seqs] == \
            [reference_tokens(p, sp, kw["eos_token_ids"]) for p, sp in requests]
 
@@ -369,7 +286,7 @@ def test_a_request_filling_the_whole_cache_runs_alone():
     requests = [(list(range(10)), SamplingParams(max_tokens=7, ignore_eos=True)),
                 ([5, 6], SamplingParams(max_tokens=14, ignore_eos=True)),
                 (list(range(10)), SamplingParams(max_tokens=7, ignore_eos=True))]
-    seqs, _ = run(sched, requests)
+    seqs, _ = run_scheduler(sched, requests)
     assert [s.completion_token_ids for s in seqs] == [reference_tokens(p, sp) for p, sp in requests]
 
 

@@ -26,21 +26,6 @@ SIZES = [7, 64 * 1024, 600 * 1024, 300 * 1024]
 ELEMENT_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.int64: 8}
 
 
-def segments() -> set:
-    return {p.name for p in SHM.glob("minivllm-*")}
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_segments():
-    "Fail a test after which a minivllm segment exists that did not exist before it (run_on_ranks' ranks are ours)."
-    before = segments()
-    yield
-    time.sleep(0.2)
-    left = segments() - before
-    for name in left: (SHM / name).unlink(missing_ok=True)
-    assert not left, f"segments left in /dev/shm: {sorted(left)}"
-
-
 def compare(comm, sizes, dtype, two_shot_bytes):
     "For each size: shm all-reduce, gloo all-reduce, every rank's copy, one-shot vs two-shot, and the other collectives."
     comm.shm.two_shot_bytes = two_shot_bytes
