@@ -1,4 +1,4 @@
-"""The docs site: `tools/build_docs.py` builds it from nbs/, and it works offline in headless Chromium.
+"""The docs site: `docs/build.py` builds it from nbs/, and it works offline in headless Chromium.
 
 The site is built once per session into a temporary folder (the notebooks' executed outputs come from the cache in
 _proc/docs/exec/ when CI's docs step, or an earlier build, already ran them). Then, with Debian's Chromium driven by
@@ -26,7 +26,7 @@ import pytest
 
 from conftest import NBS, ROOT
 
-sys.path.insert(0, str(ROOT / "docs_src"))
+sys.path.insert(0, str(ROOT / "docs"))
 import nbdocs  # noqa: E402
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -43,7 +43,7 @@ UNIQUE_TERM = "every_rank_adds_bias"  # a name that only the parallel-linear not
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "build_docs.py"), "--site-dir", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "docs" / "build.py"), "--site-dir", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, f"docs build failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-10000:]}"
     return out

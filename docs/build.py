@@ -1,12 +1,12 @@
 """Build the docs site from nbs/ into _docs/ (MkDocs + Material + mkdocs-jupyter + mkdocstrings; see mkdocs.yml).
 
-Usage: python tools/build_docs.py [--site-dir DIR] [--no-cache] [--jobs N]
+Usage: python docs/build.py [--site-dir DIR] [--no-cache] [--jobs N]
 
 Every nbs/*.ipynb becomes a page, in file-name order, index.ipynb the home page; each notebook is executed the
 way nbdev_test runs it (cells flagged `slow` or `cuda` are not run; an error fails the build), and the outputs
 are cached in _proc/docs/exec/ until the notebook or the package changes (--no-cache re-runs them all).
 The site works offline: open _docs/index.html in a browser, or serve _docs/ with any static server.
-`mkdocs build` does the same (the work is done by docs_src/hooks.py); this script adds the options and a timing.
+`mkdocs build` does the same (the work is done by docs/hooks.py); this script adds the options and a timing.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 - on_config: the navigation, made from every `nbs/*.ipynb` in file-name order (index.ipynb is the home page), then
   an "API reference" section with one mkdocstrings page per module a notebook exports (`#| default_exp`).
-- on_pre_build: executes the notebooks (docs_src/nbdocs.py: like nbdev_test, cached, `slow`/`cuda` cells not run,
+- on_pre_build: executes the notebooks (docs/nbdocs.py: like nbdev_test, cached, `slow`/`cuda` cells not run,
   any error stops the build), applies nbdev's directives (`#| hide` cells dropped, `#|` lines stripped: done here,
   on the executed copy, because mkdocs-jupyter's `remove_tag_config` reads cell tags, not `#|` comments), and
   writes the pages mkdocs-jupyter renders to `_proc/docs/pages/`. On the way, as nbdev's pages do, the title cell
@@ -10,7 +10,7 @@
   dropped from stderr; names of notebooks and modules in `code` (the home page's table) link to their pages; and
   each notebook ends with a link to the API page of the module it exports.
 - on_files: adds those pages, and the generated API pages, to the site (before mkdocs-jupyter wraps notebooks).
-- mkdocs-jupyter's HTML exporter is patched to use docs_src/templates/notebook.html.j2, which drops nbconvert's
+- mkdocs-jupyter's HTML exporter is patched to use docs/templates/notebook.html.j2, which drops nbconvert's
   cdnjs MathJax 2 and mermaid injections (the site serves MathJax 3 itself: nothing is fetched from the network).
 - on_page_content: links between notebooks (`03_parallel_linear.ipynb`) point at their pages (`.html`), the
   table of contents is rebuilt from the rendered headings (mkdocs-jupyter's drops `code` from heading anchors), and
@@ -50,14 +50,14 @@ def _patch_mkdocs_jupyter():
     from mkdocs_jupyter import __about__, nbconvert2
 
     if __about__.__version__ != MKDOCS_JUPYTER_VERSION:
-        raise PluginError(f"docs_src/hooks.py patches mkdocs-jupyter {MKDOCS_JUPYTER_VERSION}, found "
-                          f"{__about__.__version__}: check docs_src/templates/notebook.html.j2 and the pin")
+        raise PluginError(f"docs/hooks.py patches mkdocs-jupyter {MKDOCS_JUPYTER_VERSION}, found "
+                          f"{__about__.__version__}: check docs/templates/notebook.html.j2 and the pin")
     if getattr(nbconvert2.HTMLExporter, "_minivllm", False):
         return
     base = nbconvert2.HTMLExporter
 
     class SiteHTMLExporter(base):
-        "mkdocs-jupyter's exporter with docs_src/templates/notebook.html.j2 (no CDN scripts) as its template."
+        "mkdocs-jupyter's exporter with docs/templates/notebook.html.j2 (no CDN scripts) as its template."
         _minivllm = True
 
         def __init__(self, *args, template_file=None, extra_template_paths=(), **kwargs):
@@ -250,7 +250,7 @@ def on_page_content(html, page, config, files, **kwargs):
         # mkdocs-jupyter 0.26.3 builds the TOC from the markdown with `code` spans deleted, so a heading such as
         # "Rank 0's end: `ShmCommandChannel`" gets the anchor #rank-0s-end, which no element has
         # the theme would fetch mermaid from unpkg for a <pre class="mermaid"> (nbconvert's rendering of a ```mermaid
-        # fence): show the diagram's source as code instead (vendor mermaid into docs_src/site to draw them)
+        # fence): show the diagram's source as code instead (vendor mermaid into docs/site to draw them)
         html = html.replace('<pre class="mermaid">', '<pre class="mermaid-source">')
         depth = config["plugins"]["mkdocs-jupyter"].config["toc_depth"]
         page.toc = _toc_from_html(html, depth)

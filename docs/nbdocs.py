@@ -1,4 +1,4 @@
-"""Notebook processing shared by the docs site (docs_src/hooks.py) and the README (tools/make_readme.py).
+"""Notebook processing shared by the docs site (docs/hooks.py) and the README (docs/make_readme.py).
 
 - `directives` / `process_notebook`: nbdev's cell directives, applied the way nbdev's docs apply them: cells with
   `#| hide` (or `#| include: false`) are dropped, `#| echo: false` hides a cell's code, `#| output: false` its outputs,
@@ -14,7 +14,7 @@ figures and printed results, so the build runs them. A cold build of the ~10 not
 `nbdev_test` (a minute or two on two cores); the cache under `_proc/docs/exec/` makes a rebuild after an unrelated
 change take seconds. Any exception stops the build (the equivalent of `allow_errors: false`).
 
-Run as a script, `python docs_src/nbdocs.py execute SRC DEST` executes one notebook (the child process).
+Run as a script, `python docs/nbdocs.py execute SRC DEST` executes one notebook (the child process).
 """
 from __future__ import annotations
 
@@ -247,7 +247,7 @@ def _execute_one(src: Path, dst: Path) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # README
 
-README_HEADER = "<!-- WARNING: generated from nbs/index.ipynb by tools/make_readme.py; edit the notebook instead -->\n\n"
+README_HEADER = "<!-- WARNING: generated from nbs/index.ipynb by docs/make_readme.py; edit the notebook instead -->\n\n"
 
 
 def render_readme(index: Path = NBS / "index.ipynb") -> str:
