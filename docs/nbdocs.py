@@ -9,8 +9,8 @@
   the executed copies in a cache keyed by everything that can change their outputs.
 - `render_readme`: the README, GitHub-flavoured markdown, through nbconvert's markdown exporter.
 
-Why execute at build time: the notebooks are stored without outputs (`nbdev_clean`), and the site must show the
-figures and printed results, so the build runs them. A cold build of the ~10 notebooks costs about as long as
+Why execute at build time: the notebooks are stored with their figures' images only (docs/keep_figures.py), and the
+site must show every printed result too, so the build runs them. A cold build of the ~10 notebooks costs about as long as
 `nbdev_test` (a minute or two on two cores); the cache under `_proc/docs/exec/` makes a rebuild after an unrelated
 change take seconds. Any exception stops the build (the equivalent of `allow_errors: false`).
 
