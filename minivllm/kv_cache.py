@@ -30,10 +30,10 @@ except ImportError:
     HAS_FLASH_ATTN = False
 
 # %% auto #0
-__all__ = ['TRITON_RUNS_ON_CPU', 'allocate_kv_cache', 'kv_cache_bytes_per_block', 'slot_mapping', 'store_kvcache_torch',
-           'store_kvcache_triton', 'store_kvcache', 'AttentionMetadata', 'prefill_metadata', 'decode_metadata',
-           'attention_reference', 'causal_mask', 'attention_sdpa', 'gather_kv', 'paged_attention_torch',
-           'paged_attention_flash', 'attention_backend', 'Attention']
+__all__ = ['TRITON_RUNS_ON_CPU', 'DECODE_GROUP_SIZE', 'allocate_kv_cache', 'kv_cache_bytes_per_block', 'slot_mapping',
+           'store_kvcache_torch', 'store_kvcache_triton', 'store_kvcache', 'AttentionMetadata', 'prefill_metadata',
+           'decode_metadata', 'length_groups', 'attention_reference', 'causal_mask', 'attention_sdpa', 'gather_kv',
+           'decode_attention', 'paged_attention_torch', 'paged_attention_flash', 'attention_backend', 'Attention']
 
 # %% ../nbs/06_kv_cache.ipynb #6a3455bc
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -135,6 +135,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None = None  # int64 [T]: the cache slot of each new token (-1: do not store)
     context_lens: torch.Tensor | None = None  # int32 [B], decode: tokens in the cache per sequence, new one included
     block_tables: torch.Tensor | None = None  # int32 [B, max_blocks] padded with -1: decode, and prefill with a cached prefix
+    # decode on the CPU: the rows in groups of similar length, each with its own (shorter) block tables and lengths
+    decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
 # %% ../nbs/06_kv_cache.ipynb #25009798
 def _padded_block_tables(block_tables: list[list[int]], device) -> torch.Tensor:
@@ -169,8 +171,10 @@ def prefill_metadata(block_tables: list[list[int]], num_cached_tokens: list[int]
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         block_tables=_padded_block_tables(block_tables, device) if any(num_cached_tokens) else None)
 
+DECODE_GROUP_SIZE = 16  # decode attention runs on at most this many sequences at once (None: the whole batch)
+
 def decode_metadata(block_tables: list[list[int]], context_lens: list[int], block_size: int,
-                    device: torch.device | str = "cpu") -> AttentionMetadata:
+                    device: torch.device | str = "cpu", group_size: int | None = DECODE_GROUP_SIZE) -> AttentionMetadata:
     "Metadata of a decode batch: per sequence its block table and length, the one new token included."
     if not len(block_tables) == len(context_lens) > 0:
         raise ValueError("decode_metadata needs one block table and one context length per sequence")
@@ -178,11 +182,22 @@ def decode_metadata(block_tables: list[list[int]], context_lens: list[int], bloc
         raise ValueError(f"every context length counts the new token, so it is at least 1, got {context_lens}")
     # the new token is the last one, at position context_len - 1
     slots = [slot_mapping(table, n - 1, n, block_size)[0] for table, n in zip(block_tables, context_lens)]
+    groups = None
+    if group_size is not None and len(context_lens) > group_size:  # see "Decode in groups of similar length"
+        groups = [(torch.tensor(rows, dtype=torch.int64, device=device),
+                   _padded_block_tables([block_tables[r] for r in rows], device),
+                   torch.tensor([context_lens[r] for r in rows], dtype=torch.int32, device=device))
+                  for rows in length_groups(context_lens, group_size)]
     return AttentionMetadata(
         is_prefill=False,
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        block_tables=_padded_block_tables(block_tables, device))
+        block_tables=_padded_block_tables(block_tables, device), decode_groups=groups)
+
+def length_groups(lengths: list[int], group_size: int) -> list[list[int]]:
+    "The row numbers sorted by length, cut into groups of at most `group_size` rows."
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    return [order[i:i + group_size] for i in range(0, len(order), group_size)]
 
 # %% ../nbs/06_kv_cache.ipynb #345919a1
 def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -227,15 +242,25 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return rows.view(block_tables.shape[0], -1, *cache.shape[2:])
 
 # %% ../nbs/06_kv_cache.ipynb #ce626b1c
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, attend=attention_reference) -> torch.Tensor:
+    "One new query per sequence `[B, H, D]` over its gathered keys, masked beyond `context_lens`."
+    keys, values = gather_kv(k_cache, block_tables), gather_kv(v_cache, block_tables)
+    mask = torch.arange(keys.shape[1], device=q.device) < context_lens[:, None]  # [B, Lk]
+    return attend(q[:, None], keys, values, mask[:, None, :], scale)[:, 0]
+
 def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None,
                           v_cache: torch.Tensor | None, metadata: AttentionMetadata, scale: float,
                           attend=attention_reference) -> torch.Tensor:
     "Causal attention `[T, H, D]` of the batch in `metadata`, reading cached keys by block table; `attend` does the math."
     md = metadata
-    if not md.is_prefill:
-        keys, values = gather_kv(k_cache, md.block_tables), gather_kv(v_cache, md.block_tables)
-        mask = torch.arange(keys.shape[1], device=q.device) < md.context_lens[:, None]  # [B, Lk]
-        return attend(q[:, None], keys, values, mask[:, None, :], scale)[:, 0]
+    if not md.is_prefill and md.decode_groups is None:
+        return decode_attention(q, k_cache, v_cache, md.block_tables, md.context_lens, scale, attend)
+    if not md.is_prefill:  # one call per group of similar length, each padded only to its own longest
+        out = torch.empty_like(q)
+        for rows, tables, lens in md.decode_groups:
+            out.index_copy_(0, rows, decode_attention(q.index_select(0, rows), k_cache, v_cache, tables, lens, scale, attend))
+        return out
     out = torch.empty_like(q)
     cu_q, cu_k = md.cu_seqlens_q.tolist(), md.cu_seqlens_k.tolist()
     for i in range(len(cu_q) - 1):

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 
 import minivllm.kv_cache as kv
-from minivllm.kv_cache import (Attention, AttentionMetadata, HAS_TRITON, allocate_kv_cache, attention_backend,
+from minivllm.kv_cache import (DECODE_GROUP_SIZE, Attention, AttentionMetadata, HAS_TRITON, allocate_kv_cache, attention_backend,
                                causal_mask, decode_metadata, gather_kv, kv_cache_bytes_per_block, prefill_metadata,
                                slot_mapping, store_kvcache, store_kvcache_torch, store_kvcache_triton)
 from minivllm.testing import (ATTENTION_TOL as TOL, PagedCase, cat_rows, check_prefill_then_decode,
@@ -232,6 +232,21 @@ def test_varlen_prefill_and_decode_match_dense(dtype, heads, block_size, backend
     "No prefix: each sequence attends causally to its own tokens only, in prefill and then in decode."
     case = PagedCase([6, 3, 5, 18, 17], block_size, *heads, dtype, seed=block_size)
     check_prefill_then_decode(case, [0] * 5, backend)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_in_length_groups_matches_dense_and_the_whole_batch(dtype, heads, backend):
+    "A batch larger than DECODE_GROUP_SIZE decodes group by group: each row as dense attention and as one big call."
+    lengths = [int(n) for n in torch.randint(2, 70, (2 * DECODE_GROUP_SIZE + 5,), generator=torch.Generator().manual_seed(3))]
+    case = PagedCase(lengths, 4, *heads, dtype, seed=8)
+    check_prefill_then_decode(case, [0] * len(lengths), backend)
+    attn, last = Attention(*case.attn_args, backend=backend), [n - 1 for n in lengths]
+    grouped = decode_metadata(case.tables, lengths, 4)
+    assert len(grouped.decode_groups) == 3
+    whole = decode_metadata(case.tables, lengths, 4, group_size=None)
+    torch.testing.assert_close(case.run(attn, last, None, grouped), case.run(attn, last, None, whole), **TOL[dtype])
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
