@@ -11,6 +11,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,8 +20,8 @@ import torch
 from .engine.scheduler import SamplingParams
 
 # %% auto #0
-__all__ = ['SHAPES', 'Workload', 'Result', 'bench_minivllm', 'bench_transformers', 'format_table', 'random_checkpoint', 'main',
-           'allreduce_main', 'device_name']
+__all__ = ['SAMPLE', 'VLLM_SCRIPT', 'SHAPES', 'Workload', 'Result', 'bench_minivllm', 'bench_transformers', 'bench_vllm',
+           'agreement', 'competing_load', 'format_table', 'random_checkpoint', 'main', 'allreduce_main', 'device_name']
 
 # %% ../nbs/14_benchmark.ipynb #d6560c63
 @dataclass
@@ -59,6 +60,7 @@ class Result:
     startup_seconds: float  # building the engine or loading the model
     num_threads: int | None = None  # intra-op threads per rank (None: the engine's default)
     cpu_seconds: float | None = None  # CPU time of this process during generation (rank 0 only)
+    first_outputs: list[list[int]] | None = None  # the token ids of the first few requests (to compare engines)
 
     @property
     def tokens_per_s(self) -> float: return self.output_tokens / self.seconds
@@ -84,7 +86,10 @@ def bench_minivllm(model: str | Path | None, workload: Workload, tensor_parallel
         outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
         seconds, cpu = time.perf_counter() - ready, time.process_time() - cpu
     assert [len(o.token_ids) for o in outputs] == workload.output_lens
-    return Result("minivllm", tensor_parallel_size, workload.output_tokens, seconds, ready - start, num_threads, cpu)
+    return Result("minivllm", tensor_parallel_size, workload.output_tokens, seconds, ready - start, num_threads, cpu,
+                  [list(o.token_ids) for o in outputs[:SAMPLE]])
+
+SAMPLE = 8  # requests whose tokens are kept, to check that two engines agree
 
 @torch.no_grad()
 def bench_transformers(model: str | Path, workload: Workload, dtype: str | None = None, batch_size: int = 1) -> Result:
@@ -105,6 +110,64 @@ def bench_transformers(model: str | Path, workload: Workload, dtype: str | None 
     seconds = time.perf_counter() - ready
     name = "transformers" + (f" (batches of {batch_size})" if batch_size > 1 else " (one at a time)")
     return Result(name, 1, workload.output_tokens, seconds, ready - start)
+
+# %% ../nbs/14_benchmark.ipynb #c66b6058
+VLLM_SCRIPT = r"""
+import json, os, sys, time
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+from vllm import LLM, SamplingParams
+w = json.load(open(sys.argv[1]))
+start = time.perf_counter()
+llm = LLM(w["model"], dtype=w["dtype"], max_model_len=w["max_model_len"], skip_tokenizer_init=True, seed=0)
+greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(4), use_tqdm=False)  # warm up
+ready = time.perf_counter()
+outs = llm.generate([{"prompt_token_ids": p} for p in w["prompts"]], [greedy(n) for n in w["output_lens"]],
+                    use_tqdm=False)
+seconds = time.perf_counter() - ready
+tokens = [list(o.outputs[0].token_ids) for o in outs]
+assert [len(t) for t in tokens] == w["output_lens"], "vLLM did not produce every requested token"
+print("RESULT " + json.dumps({"seconds": seconds, "startup_seconds": ready - start, "first_outputs": tokens[:w["sample"]]}))
+"""
+
+def bench_vllm(python: str | Path, model: str | Path, workload: Workload, dtype: str = "float32") -> Result:
+    "vLLM's throughput on `workload`, run by `python` (an environment with vLLM) in a subprocess."
+    import subprocess, tempfile
+    longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump({"model": str(model), "dtype": dtype, "max_model_len": longest, "prompts": workload.prompts,
+                   "output_lens": workload.output_lens, "sample": SAMPLE}, f)
+        f.flush()
+        try:
+            done = subprocess.run([str(python), "-c", VLLM_SCRIPT, f.name], capture_output=True, text=True)
+        except OSError as e:
+            raise ValueError(f"cannot run --vllm-python {python}: {e}: give the python of an environment with vLLM") from None
+    lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+        raise RuntimeError(f"vLLM failed in {python} (exit {done.returncode}):\n{tail}")
+    r = json.loads(lines[-1][len("RESULT "):])
+    return Result("vLLM-CPU", 1, workload.output_tokens, r["seconds"], r["startup_seconds"],
+                  first_outputs=r["first_outputs"])
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> str:
+    "How far two engines' greedy tokens agree, request by request. Example: `8 of 8 requests identical`."
+    same = sum(x == y for x, y in zip(a, b))
+    text = f"{same} of {min(len(a), len(b))} requests identical"
+    parted = [next(i for i, (s, t) in enumerate(zip(x, y)) if s != t) for x, y in zip(a, b) if x != y]
+    return text + (f" (the others part at tokens {parted}: a near-tie rounded the other way)" if parted else "")
+
+@contextmanager
+def competing_load(n: int):
+    "Run `n` CPU-bound processes (a busy machine) for the duration of the block."
+    import subprocess
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for p in procs: p.kill()
+        for p in procs: p.wait()
 
 # %% ../nbs/14_benchmark.ipynb #67944d5c
 def format_table(runs: dict[str, list[Result]], baseline: str | None) -> str:
@@ -146,9 +209,14 @@ def _configs(tps: list[int], threads: list[int | None]) -> list[tuple[int, int |
     out = []
     for tp in tps:
         for n in threads:
-            if (tp, n) not in out and not (n is not None and n == max(1, cores // tp) and (tp, None) in out):
+            # subtle: with a core or less per rank the engine's choice is always one thread: `1` would run it twice
+            if (tp, n) not in out and not (n == 1 and cores // tp <= 1 and (tp, None) in out):
                 out.append((tp, n))
     return out
+
+def _without_outputs(fields: list[tuple]) -> dict:
+    "A `Result` as a dict for JSON, without its tokens."
+    return {k: v for k, v in fields if k != "first_outputs"}
 
 def main(argv: list[str] | None = None) -> int:
     "`minivllm bench`: minivllm against transformers on one seeded workload (`minivllm bench allreduce`: the collectives)."
@@ -175,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated batch sizes of the transformers runs (1: one request at a time, slow)")
     p.add_argument("--skip-hf", action="store_true", help="only minivllm")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the CPU is always eager)")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="also run vLLM on the same workload, in this Python (an environment with vllm-cpu or vllm)")
+    p.add_argument("--busy", type=int, default=0, metavar="N", help="run N CPU-bound processes beside the benchmark")
     p.add_argument("--json", default=None, help="also write the results to this file")
     a = p.parse_args(argv)
     from minivllm.config import Config
@@ -188,16 +259,24 @@ def main(argv: list[str] | None = None) -> int:
     threads = [None if t.strip() == "auto" else int(t) for t in a.num_threads.split(",")]
     jobs = [("minivllm", tp, n) for tp, n in _configs([int(t) for t in a.tp.split(",")], threads)]
     jobs += [("transformers", 1, int(bs)) for bs in a.hf_batch_sizes.split(",") if bs and not a.skip_hf]
+    jobs += [("vllm", 1, None)] if a.vllm_python else []
     runs: dict[str, list[Result]] = {}
-    for rep in range(a.repeats):
-        for engine, tp, n in (jobs if rep % 2 == 0 else jobs[::-1]):  # subtle: alternate, so drift hits all alike
-            r = (bench_minivllm(model, workload, tp, a.dtype, num_threads=n, enforce_eager=a.enforce_eager)
-                 if engine == "minivllm" else bench_transformers(model, workload, a.dtype, n))
-            runs.setdefault(r.label, []).append(r)
-            log(f"run {rep + 1}/{a.repeats}: {r.label}: {r.tokens_per_s:.0f} tok/s")
+    with competing_load(a.busy):
+        if a.busy: log(f"{a.busy} CPU-bound process{'es' * (a.busy > 1)} running beside the benchmark")
+        for rep in range(a.repeats):
+            for engine, tp, n in (jobs if rep % 2 == 0 else jobs[::-1]):  # subtle: alternate, so drift hits all alike
+                r = (bench_minivllm(model, workload, tp, a.dtype, num_threads=n, enforce_eager=a.enforce_eager)
+                     if engine == "minivllm" else bench_vllm(a.vllm_python, model, workload, a.dtype)
+                     if engine == "vllm" else bench_transformers(model, workload, a.dtype, n))
+                runs.setdefault(r.label, []).append(r)
+                log(f"run {rep + 1}/{a.repeats}: {r.label}: {r.tokens_per_s:.0f} tok/s")
     hf = [k for k in runs if k.startswith("transformers")]
     best_hf = max(hf, key=lambda k: statistics.median(r.tokens_per_s for r in runs[k])) if hf else None
-    print(format_table(runs, best_hf))
+    print(format_table(runs, "vLLM-CPU" if a.vllm_python else best_hf))
+    if a.vllm_python:
+        ours = [k for k in runs if k.startswith("minivllm")]
+        print(f"greedy tokens, {ours[0]} against vLLM-CPU: "
+              f"{agreement(runs[ours[0]][0].first_outputs, runs['vLLM-CPU'][0].first_outputs)}")
     ours = {k: statistics.median(r.tokens_per_s for r in rs) for k, rs in runs.items() if k.startswith("minivllm")}
     tp1 = [k for k in ours if runs[k][0].tensor_parallel_size == 1]
     if tp1 and len(ours) > len(tp1):
@@ -207,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{k}: {ours[k] / ours[best]:.2f}x the best TP=1 ({best})")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a) | {"model": str(model)}, "device": device_name(),
-                                            "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s, "label": k}
+                                            "results": [asdict(r, dict_factory=_without_outputs)
+                                                        | {"tokens_per_s": r.tokens_per_s, "label": k}
                                                         for k, rs in runs.items() for r in rs]}, indent=1))
     return 0
 

@@ -103,6 +103,8 @@ class LLM:
                 channel = self._state["channel"] = ShmCommandChannel(tensor_parallel_size - 1)
                 channel.start_workers(ModelRunner, args, listener.getsockname()[1])
                 self._state["runner"] = ModelRunner(0, args, peers_alive=channel.check, listener=listener)
+                if self.runner.threads is not None:  # the workers' CPU time is the engine's, not load from elsewhere
+                    self.runner.threads.pids |= {p.pid for p in channel.processes.values()}
         except BaseException:
             self.close()
             raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -24,7 +25,8 @@ from ..models import build_model, load_checkpoint
 
 # %% auto #0
 __all__ = ['EngineArgs', 'StepInputs', 'SamplingInputs', 'available_memory_bytes', 'cpu_kv_cache_budget', 'cuda_kv_cache_budget',
-           'blocks_for_budget', 'ModelRunner', 'run_batch', 'run_until_done']
+           'blocks_for_budget', 'threads_for_load', 'cpu_ticks', 'process_ticks', 'ThreadPolicy', 'ModelRunner',
+           'run_batch', 'run_until_done']
 
 # %% ../../nbs/11_model_runner.ipynb #a6f39f7a
 @dataclass
@@ -45,7 +47,7 @@ class EngineArgs:
     cpu_kv_cache_fraction: float = 0.1  # CPU: fraction of available memory for the KV cache when no bytes given
     num_kvcache_blocks: int | None = None  # exactly this many blocks (tests use it to force preemption)
     timeout_s: float = 300.0  # how long a rank waits for the others in a collective before giving up
-    num_threads: int | None = None  # CPU: intra-op threads per rank; None: the cores this process may use / ranks
+    num_threads: int | None = None  # CPU: intra-op threads per rank; None: chosen by the load (see ThreadPolicy)
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
@@ -91,13 +93,14 @@ class StepInputs:
     num_new_tokens: list[int]  # per sequence: tokens computed now (1 in decode)
     block_tables: list[list[int]]  # per sequence: its KV-cache blocks
     greedy: bool = False  # every sequence is greedy: rank 0 needs each row's argmax, not its logits
+    num_threads: int | None = None  # CPU: the intra-op threads every rank uses for this step (rank 0's choice)
 
     @classmethod
-    def from_batch(cls, batch: ScheduledBatch) -> StepInputs:
+    def from_batch(cls, batch: ScheduledBatch, num_threads: int | None = None) -> StepInputs:
         "The inputs of a scheduled batch (read before `Scheduler.postprocess` changes its sequences)."
         greedy = all(s.sampling_params.temperature < GREEDY_TEMPERATURE for s in batch.seqs)
         return cls(batch.is_prefill, batch.input_ids, list(batch.num_computed_tokens), list(batch.num_new_tokens),
-                   [list(t) for t in batch.block_tables], greedy)
+                   [list(t) for t in batch.block_tables], greedy, num_threads)
 
     @property
     def positions(self) -> list[int]:
@@ -170,6 +173,74 @@ def blocks_for_budget(budget_bytes: int, bytes_per_block: int, max_useful_blocks
     "How many blocks fit in `budget_bytes` (at most `max_useful_blocks`; 0 if none)."
     return max(0, min(budget_bytes // bytes_per_block, max_useful_blocks))
 
+# %% ../../nbs/11_model_runner.ipynb #623ffe4d
+def threads_for_load(cores: int, busy_elsewhere: float, world_size: int, max_threads: int) -> int:
+    "Intra-op threads per rank: the cores other processes leave free, shared by the ranks (1 to `max_threads`)."
+    # subtle: each op waits at a barrier for its slowest thread, so a core that others use even part of the
+    # time slows every op down; a quarter of a core used elsewhere already takes a core away.
+    return max(1, min(max_threads, math.floor((cores - busy_elsewhere + 0.25) / world_size)))
+
+# %% ../../nbs/11_model_runner.ipynb #1f1753e5
+def cpu_ticks(cpus: set[int], stat: str = "/proc/stat") -> tuple[int, int]:
+    "`(busy, total)` clock ticks of these CPUs since boot; steal time (a hypervisor's other guests) counts as busy."
+    busy = total = 0
+    with open(stat) as f:
+        for line in f:
+            if line.startswith("cpu") and line[3].isdigit() and int(line.split()[0][3:]) in cpus:
+                user, nice, system, idle, iowait, irq, softirq, steal = map(int, line.split()[1:9])
+                busy += user + nice + system + irq + softirq + steal
+                total += user + nice + system + idle + iowait + irq + softirq + steal
+    return busy, total
+
+def process_ticks(pids) -> int:
+    "User + system clock ticks of these processes (every thread); a process that is gone counts 0."
+    ticks = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # subtle: the command name may hold spaces and ')'
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks
+
+class ThreadPolicy:
+    "Rank 0's intra-op threads per rank: re-chosen every `interval_s` from the load other processes put on our cores."
+    def __init__(self, world_size: int, fixed: int | None = None, interval_s: float = 0.5):
+        self.cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+        self.world_size, self.fixed, self.interval_s = world_size, fixed, interval_s
+        self.max_threads = max(1, len(self.cpus) // world_size)
+        self.threads = fixed or self.max_threads
+        self.pids = {os.getpid()}  # the engine's processes: their own use is not load (the engine adds its workers)
+        self.busy_elsewhere: float | None = None  # cores' worth used by other processes in the last interval
+        self._last = self._sample()
+
+    def _sample(self) -> tuple[float, int, int, int] | None:
+        "`(time, busy, total, ours)` now, or None where /proc cannot tell (the threads then stay as they are)."
+        if self.fixed is not None or self.max_threads == 1:
+            return None
+        try:
+            return (time.monotonic(), *cpu_ticks(self.cpus), process_ticks(self.pids))
+        except (OSError, ValueError):
+            return None
+
+    def choose(self) -> int:
+        "The threads per rank for the next step."
+        if self._last is None or time.monotonic() - self._last[0] < self.interval_s:
+            return self.threads
+        now = self._sample()
+        if now is not None and now[2] > self._last[2]:
+            (_, busy0, total0, ours0), (_, busy, total, ours) = self._last, now
+            self.busy_elsewhere = max(0.0, ((busy - busy0) - (ours - ours0)) / (total - total0) * len(self.cpus))
+            self.threads = threads_for_load(len(self.cpus), self.busy_elsewhere, self.world_size, self.max_threads)
+        self._last = now
+        return self.threads
+
+    def __repr__(self) -> str:
+        load = "?" if self.busy_elsewhere is None else f"{self.busy_elsewhere:.2f}"
+        return (f"ThreadPolicy({self.threads} of {self.max_threads} threads per rank, {len(self.cpus)} cores, "
+                f"{load} busy elsewhere{', fixed' if self.fixed else ''})")
+
 # %% ../../nbs/11_model_runner.ipynb #13ae0926
 class ModelRunner:
     "One rank's sharded model, KV-cache shard and (rank 0) sampler; `run` computes a scheduled step."
@@ -182,9 +253,11 @@ class ModelRunner:
         if self.world_size > 1 and port is None and listener is None:
             raise ValueError("tensor_parallel_size > 1 needs the port of the group's rendezvous")
         self.config = Config.from_pretrained(args.model, tensor_parallel_size=self.world_size, dtype=args.dtype)
+        self.threads = None  # rank 0 on the CPU: the ThreadPolicy that picks each step's threads per rank
         if args.device == "cpu":
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            torch.set_num_threads(args.num_threads or max(1, cores // self.world_size))
+            policy = ThreadPolicy(self.world_size, fixed=args.num_threads)
+            torch.set_num_threads(policy.threads)
+            self.threads = policy if rank == 0 else None
         elif args.device == "cuda" and self.world_size == 1:
             torch.cuda.set_device(self.device)
         self.comm = None
@@ -288,6 +361,8 @@ class ModelRunner:
         "Compute one step on this rank; rank 0 returns one sampled token id per sequence, the others None."
         if self.rank == 0 and sampling is None:
             raise ValueError("rank 0 needs the step's SamplingInputs to sample")
+        if step.num_threads is not None and step.num_threads != torch.get_num_threads():
+            torch.set_num_threads(step.num_threads)
         if step.greedy:
             tokens = self.model.greedy_tokens(self._last_hidden(step, self.kv_cache))
             return tokens.tolist() if self.rank == 0 else None
@@ -307,7 +382,7 @@ class ModelRunner:
 # %% ../../nbs/11_model_runner.ipynb #076c8c29
 def run_batch(batch: ScheduledBatch, runner: ModelRunner, channel=None) -> list[int]:
     "Compute one scheduled batch: send it to the workers behind `channel` (without waiting), run rank 0's share; the sampled tokens."
-    inputs = StepInputs.from_batch(batch)
+    inputs = StepInputs.from_batch(batch, runner.threads.choose() if runner.threads is not None else None)
     if channel is not None:
         channel.call("run", inputs, wait=False)
     return runner.run(inputs, SamplingInputs.from_batch(batch))
