@@ -5,7 +5,12 @@
 # %% ../nbs/06_kv_cache.ipynb #65293a7e
 from __future__ import annotations
 
+import functools
+import hashlib
+import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +35,11 @@ except ImportError:
     HAS_FLASH_ATTN = False
 
 # %% auto #0
-__all__ = ['TRITON_RUNS_ON_CPU', 'DECODE_GROUP_SIZE', 'allocate_kv_cache', 'kv_cache_bytes_per_block', 'slot_mapping',
-           'store_kvcache_torch', 'store_kvcache_triton', 'store_kvcache', 'AttentionMetadata', 'prefill_metadata',
-           'decode_metadata', 'length_groups', 'attention_reference', 'causal_mask', 'attention_sdpa', 'gather_kv',
-           'decode_attention', 'paged_attention_torch', 'paged_attention_flash', 'attention_backend', 'Attention']
+__all__ = ['TRITON_RUNS_ON_CPU', 'DECODE_GROUP_SIZE', 'CPU_KERNEL_SOURCE', 'allocate_kv_cache', 'kv_cache_bytes_per_block',
+           'slot_mapping', 'store_kvcache_torch', 'store_kvcache_triton', 'store_kvcache', 'AttentionMetadata',
+           'prefill_metadata', 'decode_metadata', 'length_groups', 'attention_reference', 'causal_mask',
+           'attention_sdpa', 'gather_kv', 'decode_attention', 'paged_attention_torch', 'cpu_decode_kernel',
+           'paged_decode_attention_cpu', 'paged_attention_flash', 'attention_backend', 'Attention']
 
 # %% ../nbs/06_kv_cache.ipynb #6a3455bc
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -274,6 +280,130 @@ def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
         out[cu_q[i]:cu_q[i + 1]] = attend(q[None, cu_q[i]:cu_q[i + 1]], keys[None], values[None], mask[None], scale)[0]
     return out
 
+# %% ../nbs/06_kv_cache.ipynb #c908749c
+CPU_KERNEL_SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <cmath>
+#include <vector>
+#include <limits>
+
+template <typename T>
+static void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, at::Tensor& out) {
+  // one task per sequence: a token's keys for all KV heads are one contiguous row of KVH * D values
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH, HD = H * D;
+  const int64_t max_blocks = block_tables.size(1), row = KVH * D;
+  const T* __restrict__ qp = q.data_ptr<T>();
+  const T* __restrict__ kp = k_cache.data_ptr<T>();
+  const T* __restrict__ vp = v_cache.data_ptr<T>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* cl = context_lens.data_ptr<int32_t>();
+  T* __restrict__ op = out.data_ptr<T>();
+  const int64_t num_blocks = k_cache.size(0);
+  for (int64_t b = 0; b < B; ++b) {  // memory safety first: every block a sequence reads must exist
+    TORCH_CHECK(cl[b] >= 0 && cl[b] <= max_blocks * bs, "context length ", cl[b], " does not fit the block table");
+    for (int64_t j = 0; j * bs < cl[b]; ++j)
+      TORCH_CHECK(bt[b * max_blocks + j] >= 0 && bt[b * max_blocks + j] < num_blocks, "block id ",
+                  bt[b * max_blocks + j], " is not in the cache's ", num_blocks, " blocks");
+  }
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qbuf(HD), accbuf(HD), sbuf;
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = cl[b];
+      if (n == 0) {  // a padding row (CUDA-graph style) attends to nothing: zeros, never read
+        for (int64_t x = 0; x < HD; ++x) op[b * HD + x] = static_cast<T>(0.f);
+        continue;
+      }
+      const int32_t* table = bt + b * max_blocks;
+      float* __restrict__ qf = qbuf.data();
+      float* __restrict__ acc = accbuf.data();
+      for (int64_t x = 0; x < HD; ++x) { qf[x] = static_cast<float>(qp[b * HD + x]) * static_cast<float>(scale); acc[x] = 0.f; }
+      sbuf.resize(H * n);
+      float* __restrict__ sc = sbuf.data();  // [H, n]
+      for (int64_t t = 0; t < n; ++t) {
+        const T* __restrict__ krow = kp + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row;
+        for (int64_t hh = 0; hh < H; ++hh) {
+          const float* __restrict__ qh = qf + hh * D;
+          const T* __restrict__ kh = krow + (hh / G) * D;
+          float s = 0.f;
+#pragma omp simd reduction(+:s)
+          for (int64_t d = 0; d < D; ++d) s += qh[d] * static_cast<float>(kh[d]);
+          sc[hh * n + t] = s;
+        }
+      }
+      for (int64_t hh = 0; hh < H; ++hh) {
+        float* __restrict__ sh = sc + hh * n;
+        float mx = sh[0];
+        for (int64_t t = 1; t < n; ++t) mx = std::max(mx, sh[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) { sh[t] = std::exp(sh[t] - mx); sum += sh[t]; }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        const T* __restrict__ vrow = vp + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row;
+        for (int64_t hh = 0; hh < H; ++hh) {
+          const float p = sc[hh * n + t];
+          const T* __restrict__ vh = vrow + (hh / G) * D;
+          float* __restrict__ ah = acc + hh * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ah[d] += p * static_cast<float>(vh[d]);
+        }
+      }
+      for (int64_t x = 0; x < HD; ++x) op[b * HD + x] = static_cast<T>(acc[x]);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  auto out = at::empty_like(q);
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+              "paged_decode_attention computes in float32 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt, "int32 tables and lengths");
+  decode_kernel<float>(q.contiguous(), k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale, out);
+  return out;
+}
+
+TORCH_LIBRARY(minivllm_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+}
+"""
+
+@functools.cache
+def cpu_decode_kernel():
+    "The compiled CPU decode-attention op (built once per machine and cached), or None where it cannot be built."
+    if os.environ.get("MINIVLLM_CPU_KERNEL", "1") == "0":
+        return None
+    flags = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+    # subtle: -march=native code is only for this CPU: the build's name includes the CPU model and flags, so a
+    # cache directory shared between machines never hands one CPU another's binary.
+    cpu = next((l for l in open("/proc/cpuinfo") if l.startswith("flags")), "") if os.path.exists("/proc/cpuinfo") else ""
+    tag = hashlib.sha1("\n".join([CPU_KERNEL_SOURCE, *flags, cpu, torch.__version__]).encode()).hexdigest()[:12]
+    build = Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm")) / "kernels" / tag
+    try:
+        from torch.utils.cpp_extension import load_inline
+        build.mkdir(parents=True, exist_ok=True)
+        if not any(build.glob("*.so")):
+            logging.getLogger("minivllm").warning("building the CPU decode-attention kernel (once, about 30 s)")
+        load_inline(f"minivllm_cpu_{tag}", cpp_sources=[CPU_KERNEL_SOURCE], extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
+        return torch.ops.minivllm_cpu.paged_decode_attention
+    except Exception as e:  # no compiler, no ninja, a read-only home: the torch path still works
+        logging.getLogger("minivllm").warning(f"the CPU decode-attention kernel could not be built, using SDPA "
+                                              f"instead ({type(e).__name__}: {str(e).strip()[-300:]})")
+        return None
+
+def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    "Decode attention `[B, H, D]` by the C++ kernel, reading the paged cache in place (float32, CPU)."
+    return cpu_decode_kernel()(q, k_cache, v_cache, metadata.block_tables, metadata.context_lens, scale)
+
 # %% ../nbs/06_kv_cache.ipynb #f6c65ba6
 def paged_attention_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None,
                           v_cache: torch.Tensor | None, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -289,10 +419,12 @@ def paged_attention_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
                                    block_table=md.block_tables, softmax_scale=scale, causal=True).squeeze(1)
 
 def attention_backend(q: torch.Tensor, k_cache: torch.Tensor | None, metadata: AttentionMetadata) -> str:
-    "`'flash'`, `'sdpa'` or `'torch'`: the fastest implementation that can run this call."
+    "`'flash'`, `'cpu'` or `'sdpa'`: the fastest implementation that can run this call (`'torch'` is the reference)."
     if not q.is_cuda:
         # subtle: SDPA is what transformers runs too, so 16-bit models round as it does and give its tokens;
         # `attention_reference` stays the readable definition that the tests check both against.
+        if not metadata.is_prefill and q.dtype == torch.float32 and cpu_decode_kernel() is not None:
+            return "cpu"
         return "sdpa"
     reads_cache = not metadata.is_prefill or metadata.block_tables is not None
     if (HAS_FLASH_ATTN and q.dtype in (torch.float16, torch.bfloat16)
@@ -307,10 +439,13 @@ class Attention(nn.Module):
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-        if backend not in (None, "torch", "sdpa", "flash"):
-            raise ValueError(f"unknown attention backend {backend!r}: use 'torch', 'sdpa', 'flash' or None (automatic)")
+        if backend not in (None, "torch", "sdpa", "cpu", "flash"):
+            raise ValueError(f"unknown attention backend {backend!r}: use 'torch', 'sdpa', 'cpu', 'flash' or None "
+                             "(automatic)")
         if backend == "flash" and not HAS_FLASH_ATTN:
             raise ValueError("backend='flash' needs flash-attn, which is not installed (pip install flash-attn)")
+        if backend == "cpu" and cpu_decode_kernel() is None:
+            raise ValueError("backend='cpu' needs the CPU decode kernel, which could not be built (see the warning)")
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         self.backend = backend
 
@@ -328,8 +463,10 @@ class Attention(nn.Module):
         backend = self.backend or attention_backend(q, k_cache, metadata)
         if backend == "flash":
             out = paged_attention_flash(q, k, v, k_cache, v_cache, metadata, self.scale)
+        elif backend == "cpu" and not metadata.is_prefill and q.dtype == torch.float32:  # else SDPA, as 'sdpa' 
+            out = paged_decode_attention_cpu(q, k_cache, v_cache, metadata, self.scale)
         else:
-            attend = attention_sdpa if backend == "sdpa" else attention_reference
+            attend = attention_reference if backend == "torch" else attention_sdpa
             out = paged_attention_torch(q, k, v, k_cache, v_cache, metadata, self.scale, attend)
         return out.reshape(len(q), self.num_heads * self.head_dim)
 

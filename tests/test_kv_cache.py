@@ -3,6 +3,8 @@ attention metadata, and paged attention (variable-length prefill, cached prefix,
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,15 +16,16 @@ if not torch.cuda.is_available():
 
 
 import minivllm.kv_cache as kv
-from minivllm.kv_cache import (DECODE_GROUP_SIZE, Attention, AttentionMetadata, HAS_TRITON, allocate_kv_cache, attention_backend,
-                               causal_mask, decode_metadata, gather_kv, kv_cache_bytes_per_block, prefill_metadata,
+from minivllm.kv_cache import (DECODE_GROUP_SIZE, Attention, AttentionMetadata, HAS_TRITON, allocate_kv_cache,
+                               attention_backend, cpu_decode_kernel, causal_mask, decode_metadata, gather_kv, kv_cache_bytes_per_block, prefill_metadata,
                                slot_mapping, store_kvcache, store_kvcache_torch, store_kvcache_triton)
 from minivllm.testing import (ATTENTION_TOL as TOL, PagedCase, cat_rows, check_prefill_then_decode,
                               tiny_store_inputs)
 
 DTYPES = (torch.float32, torch.bfloat16)
 EXACT = dict(rtol=0, atol=0)
-CPU_BACKENDS = ("torch", "sdpa")
+HAS_CPU_KERNEL = cpu_decode_kernel() is not None
+CPU_BACKENDS = ("torch", "sdpa") + ("cpu",) * HAS_CPU_KERNEL
 HEADS = [(4, 2), (2, 2)]  # (query heads, KV heads): grouped-query and multi-head
 
 
@@ -337,9 +340,23 @@ def test_attention_rejects_what_it_cannot_do():
         Attention(4, 8, 0.3, 4)(q, k, k, None, None, prefill_metadata([[]], [0], [2], 4))
 
 
-def test_backend_on_cpu_is_sdpa():
+def test_backend_on_cpu_is_the_kernel_for_float32_decode_else_sdpa():
     md = decode_metadata([[0]], [1], 4)
-    assert attention_backend(torch.randn(1, 4, 8), torch.zeros(2, 4, 2, 8), md) == "sdpa"
+    assert attention_backend(torch.randn(1, 4, 8), torch.zeros(2, 4, 2, 8), md) == ("cpu" if HAS_CPU_KERNEL else "sdpa")
+    assert attention_backend(torch.randn(1, 4, 8).bfloat16(), torch.zeros(2, 4, 2, 8), md) == "sdpa"
+    assert attention_backend(torch.randn(1, 4, 8), None, prefill_metadata([[]], [0], [1], 4)) == "sdpa"
+
+
+@pytest.mark.parametrize("env, expect", [({"MINIVLLM_CPU_KERNEL": "0"}, "None\n"),
+                                         ({"MINIVLLM_CACHE": "/dev/null/cannot-be-a-folder"}, "None\n")])
+def test_cpu_kernel_can_be_switched_off_and_a_failed_build_falls_back(env, expect):
+    "Switched off, or unbuildable (here: a cache folder that cannot exist), the kernel is None and SDPA decodes."
+    code = ("from minivllm.kv_cache import cpu_decode_kernel as k, attention_backend as b, decode_metadata as d; import torch;"
+            "print(k()); assert b(torch.randn(1, 4, 8), torch.zeros(2, 4, 2, 8), d([[0]], [1], 4)) == 'sdpa'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ | env, timeout=120)
+    assert done.returncode == 0 and done.stdout == expect, done.stderr
+    if "MINIVLLM_CACHE" in env:
+        assert "could not be built, using SDPA" in done.stderr
 
 
 # ---------------------------------------------------------------------------------------------- GPU

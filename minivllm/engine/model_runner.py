@@ -19,7 +19,7 @@ import torch
 from ..config import Config, check_positive_int, is_int
 from ..shm_allreduce import make_communicator
 from .scheduler import ScheduledBatch, Scheduler, context_lengths, token_positions
-from ..kv_cache import allocate_kv_cache, decode_metadata, kv_cache_bytes_per_block, prefill_metadata
+from ..kv_cache import allocate_kv_cache, cpu_decode_kernel, decode_metadata, kv_cache_bytes_per_block, prefill_metadata
 from ..layers.common import GREEDY_TEMPERATURE, Sampler
 from ..models import build_model, load_checkpoint
 
@@ -312,6 +312,8 @@ class ModelRunner:
             tokens = min(a.max_num_batched_tokens, a.max_num_seqs * self.max_model_len)
         else:  # on the CPU warm-up only loads the kernels: activations come out of the same memory as everything else
             tokens = min(16, self.max_model_len)
+            if self.config.dtype == torch.float32:
+                cpu_decode_kernel()  # build (once per machine) or load the decode kernel now, not in the first request
         lengths = [self.max_model_len] * (tokens // self.max_model_len) + ([tokens % self.max_model_len] if tokens % self.max_model_len else [])
         step = StepInputs(True, [0] * tokens, [0] * len(lengths), lengths, [[] for _ in lengths])
         self._forward(step, kv_cache=None)
