@@ -398,3 +398,18 @@ def test_an_interruption_between_steps_aborts_the_calls_requests(tiny, tp):
         assert [len(o.token_ids) for o in out] == [MAX_TOKENS] * 2  # only this call's requests ran
     with pytest.raises(RuntimeError, match="this LLM is closed"):
         llm.add_request([1, 2, 3])
+
+
+def test_default_threads_follow_the_load_and_fixed_threads_stay(tiny):
+    "Rank 0's ThreadPolicy counts the workers as the engine's own; each step's choice is applied; num_threads=N fixes it."
+    before = torch.get_num_threads()
+    with LLM(tiny, max_model_len=64, tensor_parallel_size=2) as llm:
+        policy = llm.runner.threads
+        assert policy.fixed is None and {p.pid for p in llm.channel.processes.values()} < policy.pids
+    with LLM(tiny, max_model_len=64) as llm:
+        llm.runner.threads.choose = lambda: 1  # as if another process held the other cores
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before  # the engine gives its threads back
+    with LLM(tiny, max_model_len=64, num_threads=1) as llm:
+        assert llm.runner.threads.fixed == 1 and llm.runner.threads.choose() == 1
