@@ -285,6 +285,7 @@ CPU_KERNEL_SOURCE = r"""
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <algorithm>
 #include <cmath>
 #include <vector>
 #include <limits>
@@ -305,8 +306,8 @@ static void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const 
   const int64_t num_blocks = k_cache.size(0);
   for (int64_t b = 0; b < B; ++b) {  // memory safety first: every block a sequence reads must exist
     TORCH_CHECK(cl[b] >= 0 && cl[b] <= max_blocks * bs, "context length ", cl[b], " does not fit the block table");
-    for (int64_t j = 0; j * bs < cl[b]; ++j)
-      TORCH_CHECK(bt[b * max_blocks + j] >= 0 && bt[b * max_blocks + j] < num_blocks, "block id ",
+    for (int64_t j = 0; j * bs < cl[b]; ++j)  // -1 (padding) reads block 0, as gather_kv does
+      TORCH_CHECK(bt[b * max_blocks + j] >= -1 && bt[b * max_blocks + j] < num_blocks, "block id ",
                   bt[b * max_blocks + j], " is not in the cache's ", num_blocks, " blocks");
   }
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
@@ -324,7 +325,7 @@ static void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const 
       sbuf.resize(H * n);
       float* __restrict__ sc = sbuf.data();  // [H, n]
       for (int64_t t = 0; t < n; ++t) {
-        const T* __restrict__ krow = kp + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row;
+        const T* __restrict__ krow = kp + (static_cast<int64_t>(std::max(table[t / bs], 0)) * bs + t % bs) * row;
         for (int64_t hh = 0; hh < H; ++hh) {
           const float* __restrict__ qh = qf + hh * D;
           const T* __restrict__ kh = krow + (hh / G) * D;
@@ -344,7 +345,7 @@ static void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const 
         for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
       }
       for (int64_t t = 0; t < n; ++t) {
-        const T* __restrict__ vrow = vp + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * row;
+        const T* __restrict__ vrow = vp + (static_cast<int64_t>(std::max(table[t / bs], 0)) * bs + t % bs) * row;
         for (int64_t hh = 0; hh < H; ++hh) {
           const float p = sc[hh * n + t];
           const T* __restrict__ vh = vrow + (hh / G) * D;
