@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -20,8 +21,9 @@ import torch
 from .engine.scheduler import SamplingParams
 
 # %% auto #0
-__all__ = ['SAMPLE', 'VLLM_SCRIPT', 'SHAPES', 'Workload', 'Result', 'bench_minivllm', 'bench_transformers', 'bench_vllm',
-           'agreement', 'competing_load', 'format_table', 'random_checkpoint', 'main', 'allreduce_main', 'device_name']
+__all__ = ['SAMPLE', 'VLLM_SCRIPT', 'SPINNER', 'SHAPES', 'Workload', 'Result', 'bench_minivllm', 'bench_transformers',
+           'bench_vllm', 'agreement', 'competing_load', 'format_table', 'random_checkpoint', 'main', 'allreduce_main',
+           'device_name']
 
 # %% ../nbs/14_benchmark.ipynb #d6560c63
 @dataclass
@@ -158,11 +160,15 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> str:
     parted = [next(i for i, (s, t) in enumerate(zip(x, y)) if s != t) for x, y in zip(a, b) if x != y]
     return text + (f" (the others part at tokens {parted}: a near-tie rounded the other way)" if parted else "")
 
+SPINNER = "import os, sys\nwhile os.getppid() == int(sys.argv[1]):\n    for _ in range(10**5): pass"
+
 @contextmanager
 def competing_load(n: int):
     "Run `n` CPU-bound processes (a busy machine) for the duration of the block."
     import subprocess
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    # subtle: each spinner also stops when its parent is gone, so a killed benchmark leaves no busy process behind;
+    # it is given the parent's pid, since a parent killed before the spinner starts has already handed it to init
+    procs = [subprocess.Popen([sys.executable, "-c", SPINNER, str(os.getpid())]) for _ in range(n)]
     try:
         yield procs
     finally:
@@ -248,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--busy", type=int, default=0, metavar="N", help="run N CPU-bound processes beside the benchmark")
     p.add_argument("--json", default=None, help="also write the results to this file")
     a = p.parse_args(argv)
+    if a.busy < 0:
+        p.error(f"--busy must be 0 or more, got {a.busy}")
+    if a.vllm_python and not shutil.which(a.vllm_python):  # before minutes of minivllm runs, not after
+        p.error(f"--vllm-python {a.vllm_python}: no such executable; give the python of an environment with vLLM")
     from minivllm.config import Config
     from minivllm.llm import DEFAULT_MODEL
     model = random_checkpoint(a.random_shape) if a.random_shape else Path(a.model) if a.model else DEFAULT_MODEL

@@ -188,6 +188,8 @@ def decode_metadata(block_tables: list[list[int]], context_lens: list[int], bloc
         raise ValueError(f"every context length counts the new token, so it is at least 1, got {context_lens}")
     # the new token is the last one, at position context_len - 1
     slots = [slot_mapping(table, n - 1, n, block_size)[0] for table, n in zip(block_tables, context_lens)]
+    if group_size is not None and not (isinstance(group_size, int) and group_size > 0):
+        raise ValueError(f"group_size must be a positive integer or None (the whole batch at once), got {group_size!r}")
     groups = None
     if group_size is not None and len(context_lens) > group_size:  # see "Decode in groups of similar length"
         groups = [(torch.tensor(rows, dtype=torch.int64, device=device),
@@ -361,6 +363,13 @@ static void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const 
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  // every shape the kernel's pointer arithmetic relies on, checked: a mismatch is an error, never a stray read
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "expected q [B, H, D] and k/v caches [blocks, block_size, KVH, D] of one shape");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0,
+              "q's heads and head size do not fit the cache's: H must be a multiple of KVH, and D equal");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && context_lens.dim() == 1 &&
+              context_lens.size(0) == q.size(0), "one block table row and one context length per query");
   auto out = at::empty_like(q);
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
               "paged_decode_attention computes in float32 only");
@@ -384,7 +393,10 @@ def cpu_decode_kernel():
     flags = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
     # subtle: -march=native code is only for this CPU: the build's name includes the CPU model and flags, so a
     # cache directory shared between machines never hands one CPU another's binary.
-    cpu = next((l for l in open("/proc/cpuinfo") if l.startswith("flags")), "") if os.path.exists("/proc/cpuinfo") else ""
+    cpu = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l for l in f if l.startswith("flags")), "")
     tag = hashlib.sha1("\n".join([CPU_KERNEL_SOURCE, *flags, cpu, torch.__version__]).encode()).hexdigest()[:12]
     build = Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm")) / "kernels" / tag
     try:
@@ -464,7 +476,7 @@ class Attention(nn.Module):
         backend = self.backend or attention_backend(q, k_cache, metadata)
         if backend == "flash":
             out = paged_attention_flash(q, k, v, k_cache, v_cache, metadata, self.scale)
-        elif backend == "cpu" and not metadata.is_prefill and q.dtype == torch.float32:  # else SDPA, as 'sdpa' 
+        elif backend == "cpu" and not metadata.is_prefill and q.dtype == torch.float32:  # else SDPA, as 'sdpa'
             out = paged_decode_attention_cpu(q, k_cache, v_cache, metadata, self.scale)
         else:
             attend = attention_reference if backend == "torch" else attention_sdpa
