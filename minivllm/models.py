@@ -15,7 +15,7 @@ from .kv_cache import Attention, AttentionMetadata
 from .distributed import Communicator
 from .layers.common import RMSNorm, SiluAndMul, get_rope
 from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from .layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from .layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 # %% auto #0
 __all__ = ['DecoderAttention', 'DecoderMLP', 'DecoderLayer', 'DecoderModel', 'CausalLM', 'checkpoint_files',
@@ -127,6 +127,11 @@ class CausalLM(nn.Module):
     def greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         "The most likely next token of each row, on rank 0 (None on other ranks)."
         return self.lm_head.greedy_tokens(hidden_states)
+
+    def pack_for_cpu(self) -> int:
+        "Pack every linear layer and the LM head for MKL's GEMM (float32 on the CPU: notebooks 03, 04); how many were."
+        linear = sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, LinearBase))
+        return linear + self.lm_head.pack_for_cpu(free_weight=not self.config.tie_word_embeddings)
 
 # %% ../nbs/07_models.ipynb #b496581b
 def checkpoint_files(path: str | Path) -> list[Path]:

@@ -195,7 +195,8 @@ def test_worker_killed_during_generation(tiny):
     import threading
     llm = LLM(tiny, tensor_parallel_size=2, max_model_len=512)
     segment, (worker,) = llm.channel.name, workers_of(llm)
-    errors = []
+    errors, steps, step = [], [], llm.step
+    llm.step = lambda: (steps.append(1), step())[1]  # counts the engine's steps, to kill mid-generation
     def run():
         try:
             llm.generate([[1, 2, 3]] * 8, SamplingParams(temperature=0, max_tokens=480, ignore_eos=True), use_tqdm=False)
@@ -203,7 +204,7 @@ def test_worker_killed_during_generation(tiny):
             errors.append(e)
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(1.0)
+    assert wait_until(lambda: len(steps) >= 3, 30), "generation did not start"
     os.kill(worker.pid, signal.SIGKILL)
     t.join(60)
     assert not t.is_alive(), "generate did not return after its worker was killed"
@@ -219,6 +220,12 @@ RANK0_SCRIPT = textwrap.dedent("""
     print(json.dumps({"segment": llm.channel.name, "workers": [p.pid for p in llm.channel.processes.values()]}),
           flush=True)
     if sys.argv[2] == "interrupt":
+        step = llm.step
+        def step_and_tell():  # once generation is under way, say so: the test then interrupts or kills us
+            llm.step = step
+            print("generating", flush=True)
+            return step()
+        llm.step = step_and_tell
         llm.generate([[1, 2, 3]] * 8, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True), use_tqdm=False)
     else:  # exit without close(): the interpreter's exit shuts the engine down
         print(llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False).token_ids, flush=True)
@@ -232,7 +239,7 @@ def test_rank0_interrupted_exiting_or_killed_leaves_nothing_behind(tiny, how):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     info = json.loads(proc.stdout.readline())
     if how in ("interrupt", "sigkill"):
-        time.sleep(1.0)
+        assert proc.stdout.readline().strip() == "generating"
         proc.send_signal(signal.SIGINT if how == "interrupt" else signal.SIGKILL)
     out, err = proc.communicate(timeout=60)
     if how == "interrupt":

@@ -283,6 +283,10 @@ class ModelRunner:
         self.model = build_model(self.config, self.device, self.comm)
         load_checkpoint(self.model, args.model)
         self.model.eval()
+        if self.device.type == "cpu":
+            # subtle: now, while this rank runs its most threads: MKL splits a packed weight among the threads that
+            # packed it, so one packed by fewer threads would never use more (notebook 03)
+            self.model.pack_for_cpu()
         self.sampler = Sampler() if rank == 0 else None
         self.generator = torch.Generator(self.device).manual_seed(args.seed)
         self.warmup()

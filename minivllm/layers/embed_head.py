@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from fastcore.basics import patch
 from torch import nn
 
 from ..config import check_token_ids
 from ..distributed import Communicator, divide
+from .linear import PackedWeight, mkl_packing_available
 
 # %% auto #0
 __all__ = ['pad_vocab_size', 'vocab_range', 'check_input_ids', 'VocabParallelEmbedding', 'ParallelLMHead']
@@ -95,9 +97,12 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.packed: PackedWeight | None = None  # the CPU's packed copy of the weight (see "On the CPU")
 
     def local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         "This rank's slice of the logits, `[..., num_embeddings_per_rank]` (padding columns included)."
+        if self.packed is not None:
+            return self.packed(hidden_states, self.bias)
         return F.linear(hidden_states, self.weight, self.bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
@@ -124,3 +129,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         # subtle: on a tie the lowest rank wins, whose ids are the lowest: the full argmax's first maximum.
         winner = pairs[..., 0].argmax(dim=0, keepdim=True)
         return pairs[..., 1].gather(0, winner).squeeze(0).long()
+
+# %% ../../nbs/04_vocab_embedding.ipynb #5b091891
+@patch
+def pack_for_cpu(self: ParallelLMHead, free_weight: bool = False) -> bool:
+    "Compute the logits from an MKL-packed copy of the table (float32, CPU); free the table if `free_weight`."
+    w = self.weight
+    if self.packed is None and w.dtype == torch.float32 and w.device.type == "cpu" and mkl_packing_available():
+        self.packed = PackedWeight(w)
+        if free_weight:
+            w.data = torch.empty(0, dtype=w.dtype)
+    return self.packed is not None

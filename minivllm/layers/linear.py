@@ -5,8 +5,11 @@
 # %% ../../nbs/03_parallel_linear.ipynb #1a948bc6
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+from fastcore.basics import patch
 from torch import nn
 
 from ..config import check_tensor_parallel
@@ -14,11 +17,11 @@ from ..distributed import Communicator, divide
 
 # %% auto #0
 __all__ = ['LinearBase', 'ReplicatedLinear', 'ColumnParallelLinear', 'RowParallelLinear', 'MergedColumnParallelLinear',
-           'heads_per_rank', 'QKVParallelLinear']
+           'heads_per_rank', 'QKVParallelLinear', 'mkl_packing_available', 'PackedWeight']
 
 # %% ../../nbs/03_parallel_linear.ipynb #bb9274af
 class LinearBase(nn.Module):
-    "Base of the layers here: this rank's place in the TP group, a `weight` (and `bias`) shard, and `F.linear`."
+    "Base of the layers here: this rank's place in the TP group, a `weight` (and `bias`) shard, and `x Wᵀ + b`."
     def __init__(self, input_size: int, output_size: int, *, comm: Communicator | None = None,
                  params_dtype: torch.dtype | None = None):
         super().__init__()
@@ -26,6 +29,7 @@ class LinearBase(nn.Module):
         self.comm = comm if comm is not None else Communicator()  # a group of one
         self.tp_rank, self.tp_size = self.comm.rank, self.comm.world_size
         self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.packed: PackedWeight | None = None  # the CPU's packed weight, once `pack_for_cpu` ran (see the end)
 
     def create_params(self, out_features: int, in_features: int, bias: bool) -> None:
         "Allocate this rank's `(out_features, in_features)` weight (and bias) and attach the loader to them."
@@ -50,11 +54,16 @@ class LinearBase(nn.Module):
         "Copy this rank's part of the full checkpoint tensor `loaded` into `param` (each layer defines it)."
         raise NotImplementedError
 
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        "`x Wᵀ + bias` with this rank's weight shard: `F.linear`, or the packed weight once packed."
+        return F.linear(x, self.weight, bias) if self.packed is None else self.packed(x, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.bias)
 
     def extra_repr(self) -> str:
-        return (f"input_size={self.input_size}, output_size={self.output_size}, shard={tuple(self.weight.shape)}, "
+        shard = tuple(self.weight.shape) if self.packed is None else f"{self.packed.shape} (packed)"
+        return (f"input_size={self.input_size}, output_size={self.output_size}, shard={shard}, "
                 f"bias={self.bias is not None}, tp_rank={self.tp_rank}, tp_size={self.tp_size}")
 
 # %% ../../nbs/03_parallel_linear.ipynb #dd9b6a07
@@ -87,7 +96,7 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         "This rank's slice of the output features; all of them (on every rank) if `gather_output`."
-        y = F.linear(x, self.weight, self.bias)
+        y = self.linear(x, self.bias)
         return self.comm.all_gather(y, dim=-1) if self.gather_output else y
 
 # %% ../../nbs/03_parallel_linear.ipynb #5b3dc4e1
@@ -117,7 +126,7 @@ class RowParallelLinear(LinearBase):
             # partial (and each addition) flips near-tied tokens between TP sizes.
             y = F.linear(x.float(), self.weight.float(), None if bias is None else bias.float())
             return self.comm.all_reduce(y).to(x.dtype)
-        y = F.linear(x, self.weight, bias)
+        y = self.linear(x, bias)
         return self.comm.all_reduce(y) if self.reduce_results and self.tp_size > 1 else y
 
 # %% ../../nbs/03_parallel_linear.ipynb #99a75d56
@@ -180,3 +189,50 @@ class QKVParallelLinear(LinearBase):
         self._check_loaded(param, loaded, total * self.head_size, shard_id)
         size = len(heads) * self.head_size
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, heads.start * self.head_size, size))
+
+# %% ../../nbs/03_parallel_linear.ipynb #ed264a77
+@functools.cache
+def mkl_packing_available() -> bool:
+    "Whether this torch has MKL's packed GEMM (x86 builds): checked once, on a small weight against `F.linear`."
+    if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
+        return False
+    try:
+        w, x = torch.randn(8, 16), torch.randn(3, 16)
+        y = torch.ops.mkl._mkl_linear(x, torch.ops.mkl._mkl_reorder_linear_weight(w, 3), w, None, 3)
+        return torch.allclose(y, F.linear(x, w), rtol=1e-4, atol=1e-5)
+    except (RuntimeError, AttributeError):  # an op that is declared but not built in
+        return False
+
+class PackedWeight:
+    "A float32 CPU weight `[out, in]` packed once for MKL: `packed(x, bias)` is `F.linear(x, weight, bias)`."
+    def __init__(self, weight: torch.Tensor):
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError(f"PackedWeight packs a 2-d float32 CPU weight, got {weight.dtype} {tuple(weight.shape)} "
+                             f"on {weight.device}: keep F.linear for it")
+        if not mkl_packing_available():
+            raise RuntimeError("this torch has no MKL packed GEMM (torch.ops.mkl._mkl_linear): keep F.linear")
+        self.shape = tuple(weight.shape)
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), 64)
+        # subtle: _mkl_linear reads the original weight's shape and dtype only (its data just in the fallback for an
+        # unexpected row count, which __call__ never asks for): a zero-stride stand-in frees the original's memory.
+        self.stand_in = torch.zeros((), dtype=weight.dtype).expand(self.shape)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # subtle: MKL trusts these sizes with raw pointers: a wrong width or bias would read out of bounds, not fail
+        if x.shape[-1] != self.shape[1] or (bias is not None and bias.shape != self.shape[:1]):
+            raise ValueError(f"input [..., {x.shape[-1]}] and bias {None if bias is None else tuple(bias.shape)} do not "
+                             f"fit a weight of shape {self.shape}")
+        rows = x.numel() // self.shape[1] if self.shape[1] else 0
+        return torch.ops.mkl._mkl_linear(x, self.packed, self.stand_in, bias, rows)
+
+    def __repr__(self) -> str: return f"PackedWeight({self.shape})"
+
+# %% ../../nbs/03_parallel_linear.ipynb #36385c9b
+@patch
+def pack_for_cpu(self: LinearBase) -> bool:
+    "Replace this rank's float32 CPU weight by its MKL-packed copy (freeing the original); whether it is packed."
+    w = self.weight
+    if self.packed is None and w.dtype == torch.float32 and w.device.type == "cpu" and mkl_packing_available():
+        self.packed = PackedWeight(w)
+        w.data = torch.empty(0, dtype=w.dtype)  # subtle: the Parameter (its name, its loader) stays; its memory goes
+    return self.packed is not None
