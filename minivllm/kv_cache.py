@@ -6,15 +6,13 @@
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .cpu_kernels import CPU_VECTOR_HELPERS, build_cpu_extension
 
 try:  # optional: the store kernel on CUDA (torch's CUDA wheels bring it along)
     import triton
@@ -283,99 +281,123 @@ def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     return out
 
 # %% ../nbs/06_kv_cache.ipynb #c908749c
-CPU_KERNEL_SOURCE = r"""
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-#include <algorithm>
-#include <cmath>
-#include <vector>
-#include <limits>
+CPU_KERNEL_SOURCE = CPU_VECTOR_HELPERS + r"""
+// One sequence's decode attention, every head: D = 16 * DC (DCT = DC when known when compiling, 0 when not)
+template <int DCT>
+static void attend_one(const float* q, const float* kp, const float* vp, const int32_t* table, int64_t n, int64_t bs,
+                       int64_t H, int64_t KVH, int64_t D, float scale, float* out, std::vector<float>& buf) {
+  const int64_t DC = DCT ? DCT : (D + 15) / 16, last = D - 16 * (DC - 1);  // chunks per head; lanes of the last
+  const int64_t G = H / KVH, row = KVH * D, np = (n + 15) / 16 * 16, bytes = bs * row * 4;
+  buf.resize(H * DC * 16 + H * np);
+  float* acc = buf.data();                // [H, DC * 16]: the scaled queries, then the weighted sum of values
+  float* sc = buf.data() + H * DC * 16;   // [H, np]: scores, then softmax numerators
+  auto lanes = [&](int64_t c) { return c == DC - 1 ? last : 16; };
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t c = 0; c < DC; ++c) store(acc + (h * DC + c) * 16, load_part(q + h * D + 16 * c, lanes(c)) * scale);
+  // 1. scores: one pass over the keys; a token's keys for all KV heads are one contiguous row
+  for (int64_t t = 0; t < n; ++t) {
+    if (t % bs == 0 && t + bs < n)  // the next block is elsewhere in memory: ask for it while this one is read
+      for (int64_t off = 0; off < bytes; off += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(kp + std::max(table[t / bs + 1], 0) * bs * row) + off);
+    const float* krow = kp + (static_cast<int64_t>(std::max(table[t / bs], 0)) * bs + t % bs) * row;
+    for (int64_t g = 0; g < KVH; ++g) {
+      v16 k[DCT ? DCT : 16];
+      for (int64_t c = 0; c < DC; ++c) k[c] = load_part(krow + g * D + 16 * c, lanes(c));
+      for (int64_t h = g * G; h < (g + 1) * G; ++h) {  // the query heads that share KV head g
+        v16 s = {};
+        for (int64_t c = 0; c < DC; ++c) s += load(acc + (h * DC + c) * 16) * k[c];
+        sc[h * np + t] = hsum(s);
+      }
+    }
+  }
+  // 2. softmax numerators per head (the division waits for the end)
+  std::vector<float> inv_sum(H);
+  for (int64_t h = 0; h < H; ++h) {
+    float* s = sc + h * np;
+    for (int64_t t = n; t < np; ++t) s[t] = -INFINITY;
+    v16 m = splat(-INFINITY);
+    for (int64_t t = 0; t < np; t += 16) { v16 x = load(s + t); m = x > m ? x : m; }
+    float mx = m[0];
+    for (int i = 1; i < 16; ++i) mx = std::max(mx, m[i]);
+    v16 sum = {};
+    for (int64_t t = 0; t < np; t += 16) {
+      v16 x = load(s + t), e = exp16(x - mx);
+      e = x == splat(-INFINITY) ? splat(0.f) : e;  // the padding after the last token weighs nothing
+      store(s + t, e); sum += e;
+    }
+    inv_sum[h] = 1.f / hsum(sum);
+  }
+  // 3. values: one pass, every head's weighted sum
+  std::fill(acc, acc + H * DC * 16, 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    if (t % bs == 0 && t + bs < n)
+      for (int64_t off = 0; off < bytes; off += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(vp + std::max(table[t / bs + 1], 0) * bs * row) + off);
+    const float* vrow = vp + (static_cast<int64_t>(std::max(table[t / bs], 0)) * bs + t % bs) * row;
+    for (int64_t g = 0; g < KVH; ++g) {
+      v16 v[DCT ? DCT : 16];
+      for (int64_t c = 0; c < DC; ++c) v[c] = load_part(vrow + g * D + 16 * c, lanes(c));
+      for (int64_t h = g * G; h < (g + 1) * G; ++h) {
+        const float p = sc[h * np + t];
+        for (int64_t c = 0; c < DC; ++c) store(acc + (h * DC + c) * 16, load(acc + (h * DC + c) * 16) + p * v[c]);
+      }
+    }
+  }
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t c = 0; c < DC; ++c) store_part(out + h * D + 16 * c, load(acc + (h * DC + c) * 16) * inv_sum[h], lanes(c));
+}
 
-template <typename T>
-static void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, at::Tensor& out) {
-  // one task per sequence: a token's keys for all KV heads are one contiguous row of KVH * D values
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH, HD = H * D;
-  const int64_t max_blocks = block_tables.size(1), row = KVH * D;
-  const T* __restrict__ qp = q.data_ptr<T>();
-  const T* __restrict__ kp = k_cache.data_ptr<T>();
-  const T* __restrict__ vp = v_cache.data_ptr<T>();
+at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables_, const at::Tensor& context_lens_, double scale) {
+  // every shape the kernel's pointer arithmetic relies on, checked: a mismatch is an error, never a stray read
+  TORCH_CHECK(q_.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "expected q [B, H, D] and k/v caches [blocks, block_size, KVH, D] of one shape");
+  TORCH_CHECK(k_cache.size(3) == q_.size(2) && k_cache.size(2) > 0 && q_.size(1) % k_cache.size(2) == 0,
+              "q's heads and head size do not fit the cache's: H must be a multiple of KVH, and D equal");
+  TORCH_CHECK(q_.size(2) > 0 && q_.size(2) <= 256, "head size ", q_.size(2), " is not in 1..256");
+  TORCH_CHECK(block_tables_.dim() == 2 && block_tables_.size(0) == q_.size(0) && context_lens_.dim() == 1 &&
+              context_lens_.size(0) == q_.size(0), "one block table row and one context length per query");
+  TORCH_CHECK(q_.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+              "paged_decode_attention computes in float32 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
+  TORCH_CHECK(block_tables_.scalar_type() == at::kInt && context_lens_.scalar_type() == at::kInt, "int32 tables and lengths");
+  auto q = q_.contiguous(), block_tables = block_tables_.contiguous(), context_lens = context_lens_.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), bs = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t max_blocks = block_tables.size(1), num_blocks = k_cache.size(0);
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* cl = context_lens.data_ptr<int32_t>();
-  T* __restrict__ op = out.data_ptr<T>();
-  const int64_t num_blocks = k_cache.size(0);
   for (int64_t b = 0; b < B; ++b) {  // memory safety first: every block a sequence reads must exist
     TORCH_CHECK(cl[b] >= 0 && cl[b] <= max_blocks * bs, "context length ", cl[b], " does not fit the block table");
     for (int64_t j = 0; j * bs < cl[b]; ++j)  // -1 (padding) reads block 0, as gather_kv does
       TORCH_CHECK(bt[b * max_blocks + j] >= -1 && bt[b * max_blocks + j] < num_blocks, "block id ",
                   bt[b * max_blocks + j], " is not in the cache's ", num_blocks, " blocks");
   }
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qbuf(HD), accbuf(HD), sbuf;
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = cl[b];
-      if (n == 0) {  // a padding row (CUDA-graph style) attends to nothing: zeros, never read
-        for (int64_t x = 0; x < HD; ++x) op[b * HD + x] = static_cast<T>(0.f);
-        continue;
-      }
-      const int32_t* table = bt + b * max_blocks;
-      float* __restrict__ qf = qbuf.data();
-      float* __restrict__ acc = accbuf.data();
-      for (int64_t x = 0; x < HD; ++x) { qf[x] = static_cast<float>(qp[b * HD + x]) * static_cast<float>(scale); acc[x] = 0.f; }
-      sbuf.resize(H * n);
-      float* __restrict__ sc = sbuf.data();  // [H, n]
-      for (int64_t t = 0; t < n; ++t) {
-        const T* __restrict__ krow = kp + (static_cast<int64_t>(std::max(table[t / bs], 0)) * bs + t % bs) * row;
-        for (int64_t hh = 0; hh < H; ++hh) {
-          const float* __restrict__ qh = qf + hh * D;
-          const T* __restrict__ kh = krow + (hh / G) * D;
-          float s = 0.f;
-#pragma omp simd reduction(+:s)
-          for (int64_t d = 0; d < D; ++d) s += qh[d] * static_cast<float>(kh[d]);
-          sc[hh * n + t] = s;
-        }
-      }
-      for (int64_t hh = 0; hh < H; ++hh) {
-        float* __restrict__ sh = sc + hh * n;
-        float mx = sh[0];
-        for (int64_t t = 1; t < n; ++t) mx = std::max(mx, sh[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) { sh[t] = std::exp(sh[t] - mx); sum += sh[t]; }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        const T* __restrict__ vrow = vp + (static_cast<int64_t>(std::max(table[t / bs], 0)) * bs + t % bs) * row;
-        for (int64_t hh = 0; hh < H; ++hh) {
-          const float p = sc[hh * n + t];
-          const T* __restrict__ vh = vrow + (hh / G) * D;
-          float* __restrict__ ah = acc + hh * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ah[d] += p * static_cast<float>(vh[d]);
-        }
-      }
-      for (int64_t x = 0; x < HD; ++x) op[b * HD + x] = static_cast<T>(acc[x]);
-    }
-  });
-}
-
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  // every shape the kernel's pointer arithmetic relies on, checked: a mismatch is an error, never a stray read
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "expected q [B, H, D] and k/v caches [blocks, block_size, KVH, D] of one shape");
-  TORCH_CHECK(k_cache.size(3) == q.size(2) && k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0,
-              "q's heads and head size do not fit the cache's: H must be a multiple of KVH, and D equal");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && context_lens.dim() == 1 &&
-              context_lens.size(0) == q.size(0), "one block table row and one context length per query");
   auto out = at::empty_like(q);
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "paged_decode_attention computes in float32 only");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt, "int32 tables and lengths");
-  decode_kernel<float>(q.contiguous(), k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale, out);
+  const float* qp = q.data_ptr<float>(); const float* kp = k_cache.data_ptr<float>(); const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // the threads' shares: longest sequence first, each to the thread with the fewest tokens so far
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B));
+  std::vector<int64_t> order(B);
+  for (int64_t b = 0; b < B; ++b) order[b] = b;
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cl[a] > cl[b]; });
+  std::vector<std::vector<int64_t>> share(threads);
+  std::vector<int64_t> tokens(threads, 0);
+  for (int64_t b : order) {
+    const int64_t i = std::min_element(tokens.begin(), tokens.end()) - tokens.begin();
+    share[i].push_back(b); tokens[i] += cl[b] + 16;  // + 16: a sequence costs something even when short
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t b : share[i]) {
+        float* o = op + b * H * D;
+        if (cl[b] == 0) { std::fill(o, o + H * D, 0.f); continue; }  // a padding row (CUDA-graph style): zeros
+        const float* qb = qp + b * H * D; const int32_t* table = bt + b * max_blocks;
+        if (D == 64) attend_one<4>(qb, kp, vp, table, cl[b], bs, H, KVH, D, scale, o, buf);
+        else if (D == 128) attend_one<8>(qb, kp, vp, table, cl[b], bs, H, KVH, D, scale, o, buf);
+        else attend_one<0>(qb, kp, vp, table, cl[b], bs, H, KVH, D, scale, o, buf);
+      }
+  });
   return out;
 }
 
@@ -387,30 +409,8 @@ TORCH_LIBRARY(minivllm_cpu, m) {
 
 @functools.cache
 def cpu_decode_kernel():
-    "The compiled CPU decode-attention op (built once per machine and cached), or None where it cannot be built."
-    if os.environ.get("MINIVLLM_CPU_KERNEL", "1") == "0":
-        return None
-    flags = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
-    # subtle: -march=native code is only for this CPU: the build's name includes the CPU model and flags, so a
-    # cache directory shared between machines never hands one CPU another's binary.
-    cpu = ""
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((l for l in f if l.startswith("flags")), "")
-    tag = hashlib.sha1("\n".join([CPU_KERNEL_SOURCE, *flags, cpu, torch.__version__]).encode()).hexdigest()[:12]
-    build = Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm")) / "kernels" / tag
-    try:
-        from torch.utils.cpp_extension import load_inline
-        build.mkdir(parents=True, exist_ok=True)
-        if not any(build.glob("*.so")):
-            logging.getLogger("minivllm").warning("building the CPU decode-attention kernel (once, about 30 s)")
-        load_inline(f"minivllm_cpu_{tag}", cpp_sources=[CPU_KERNEL_SOURCE], extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
-        return torch.ops.minivllm_cpu.paged_decode_attention
-    except Exception as e:  # no compiler, no ninja, a read-only home: the torch path still works
-        logging.getLogger("minivllm").warning(f"the CPU decode-attention kernel could not be built, using SDPA "
-                                              f"instead ({type(e).__name__}: {str(e).strip()[-300:]})")
-        return None
+    "The compiled CPU decode-attention op (built once per machine, notebook 04a), or None where it cannot be built."
+    return torch.ops.minivllm_cpu.paged_decode_attention if build_cpu_extension("minivllm_cpu", CPU_KERNEL_SOURCE) else None
 
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -436,7 +436,8 @@ def attention_backend(q: torch.Tensor, k_cache: torch.Tensor | None, metadata: A
     if not q.is_cuda:
         # subtle: SDPA is what transformers runs too, so 16-bit models round as it does and give its tokens;
         # `attention_reference` stays the readable definition that the tests check both against.
-        if not metadata.is_prefill and q.dtype == torch.float32 and cpu_decode_kernel() is not None:
+        if (not metadata.is_prefill and q.dtype == torch.float32 and q.shape[-1] <= 256
+                and cpu_decode_kernel() is not None):
             return "cpu"
         return "sdpa"
     reads_cache = not metadata.is_prefill or metadata.block_tables is not None

@@ -11,6 +11,7 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from minivllm.config import Config
+from minivllm.cpu_kernels import use_cpu_kernels
 from minivllm.testing import hf_rope, hf_rotate
 from minivllm.layers.common import (GREEDY_TEMPERATURE, RMSNorm, RotaryEmbedding, Sampler, SiluAndMul,
                                     apply_top_k_top_p, check_sampling_inputs, exponential_noise, get_rope,
@@ -32,6 +33,11 @@ def gen(seed=0):
     return torch.Generator().manual_seed(seed)
 
 
+def forward_tol(x):
+    "forward in float32 on the CPU runs the C++ kernels (notebook 04a): float32's rounding of HF, not its bits."
+    return {} if use_cpu_kernels(x) else EXACT
+
+
 # ---------------------------------------------------------------- RMSNorm
 
 def norms(hidden, dtype, eps, seed=0):
@@ -48,10 +54,12 @@ def norms(hidden, dtype, eps, seed=0):
 def test_rmsnorm_matches_hf(dtype, shape, eps):
     hf, ours = norms(shape[-1], dtype, eps)
     x, res = torch.randn(*shape, generator=gen(1)).to(dtype), torch.randn(*shape, generator=gen(2)).to(dtype)
-    torch.testing.assert_close(ours(x), hf(x), **EXACT)
+    torch.testing.assert_close(ours.rms_norm(x), hf(x), **EXACT)  # the torch path: HF's bits in every dtype
+    torch.testing.assert_close(ours.rms_norm(res + x), hf(res + x), **EXACT)
+    torch.testing.assert_close(ours(x), hf(x), **forward_tol(x))
     out, new_res = ours(x, res)
     torch.testing.assert_close(new_res, res + x, **EXACT)
-    torch.testing.assert_close(out, hf(res + x), **EXACT)
+    torch.testing.assert_close(out, hf(res + x), **forward_tol(x))
     assert out.dtype == new_res.dtype == dtype
 
 
@@ -111,11 +119,15 @@ def test_rotary_matches_hf(dtype, scaling, head_dim, base, max_pos):
                            torch.randint(0, max_pos, (T - 6,), generator=gen(1))])
     q = torch.randn(T, 4, head_dim, generator=gen(2)).to(dtype)
     k = torch.randn(T, 2, head_dim, generator=gen(3)).to(dtype)
-    q_ours, k_ours = RotaryEmbedding(head_dim, max_pos, base, scaling)(positions, q, k)
+    rope = RotaryEmbedding(head_dim, max_pos, base, scaling)
+    q_ours, k_ours = rope.rotate(positions, q, k)  # the torch path
     q_hf, k_hf = hf_rotate(hf_rope(head_dim, max_pos, base, scaling), positions, q, k)
     assert q_ours.dtype == k_ours.dtype == dtype and q_ours.shape == q.shape and k_ours.shape == k.shape
     torch.testing.assert_close(q_ours, q_hf, **ROPE_TOL[dtype])
     torch.testing.assert_close(k_ours, k_hf, **ROPE_TOL[dtype])
+    q_fwd, k_fwd = rope(positions, q, k)  # forward: the C++ kernel in float32 on the CPU
+    assert q_fwd.dtype == dtype and q_fwd.shape == q.shape and k_fwd.shape == k.shape
+    torch.testing.assert_close((q_fwd, k_fwd), (q_hf, k_hf), **forward_tol(q))
 
 
 def test_rotary_flattened_and_strided_inputs():
@@ -131,6 +143,7 @@ def test_rotary_flattened_and_strided_inputs():
     assert q_flat.shape == (T, 4 * hd) and k_flat.shape == (T, 2 * hd)
     torch.testing.assert_close(q_flat, q_heads.flatten(1), **EXACT)
     torch.testing.assert_close(k_flat, k_heads.flatten(1), **EXACT)
+    torch.testing.assert_close((q_flat, k_flat), rope.rotate(positions, q, k), **forward_tol(q))
     assert qkv.equal(torch.cat([q, k, v], -1))  # the input is not modified
 
 

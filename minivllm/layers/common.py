@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import cpu_kernels
 from ..config import Config, rope_type
 
 # %% auto #0
@@ -39,6 +40,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         "`norm(x)`; or, given `residual`, `(norm(x + residual), x + residual)`: the new residual is the sum."
+        if cpu_kernels.use_cpu_kernels(x):  # float32 on the CPU: one C++ loop, the same arithmetic (notebook 04a)
+            return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self.rms_norm(x)
         x = x + residual  # subtle: in the model dtype, like HF's `residual + hidden_states`
@@ -53,6 +56,8 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] % 2:
             raise ValueError(f"SiluAndMul needs an even last dimension ([gate | up]), got shape {tuple(x.shape)}")
+        if cpu_kernels.use_cpu_kernels(x):  # float32 on the CPU: one C++ loop (notebook 04a)
+            return cpu_kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -125,17 +130,26 @@ class RotaryEmbedding(nn.Module):
         rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         return rotated.reshape(x.shape)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        "Rotate `q` and `k` (`[T, heads, head_dim]` or `[T, heads*head_dim]`) by their tokens' `positions` `[T]`."
-        if self.cos_sin_cache.dtype != torch.float32:
-            raise TypeError(f"the cos/sin table is {self.cos_sin_cache.dtype}, not float32: the module was cast with "
-                            ".to(dtype); build the model under torch.set_default_dtype(dtype) instead of casting it")
+    def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        "Rotate `q` and `k` by their tokens' `positions` with torch's operations: transformers' bits in every dtype."
         # subtle: on an accelerator this check would stall the host once per layer (and cannot run inside CUDA-graph
         # capture); there an out-of-range position trips the indexing kernel's own bounds assert instead.
         if positions.device.type == "cpu":
             self.check_positions(positions)
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        "Rotate `q` and `k` (`[T, heads, head_dim]` or `[T, heads*head_dim]`) by their tokens' `positions` `[T]`."
+        if self.cos_sin_cache.dtype != torch.float32:
+            raise TypeError(f"the cos/sin table is {self.cos_sin_cache.dtype}, not float32: the module was cast with "
+                            ".to(dtype); build the model under torch.set_default_dtype(dtype) instead of casting it")
+        if cpu_kernels.use_cpu_kernels(q) and k.dtype == q.dtype:  # float32 on the CPU: one C++ loop (notebook 04a)
+            try:
+                return cpu_kernels.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim)
+            except (RuntimeError, ValueError):
+                pass  # a position or layout the kernel refuses: the torch path below says what is wrong
+        return self.rotate(positions, q, k)
 
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, max_position={self.max_position}, base={self.base}, "
