@@ -191,6 +191,16 @@ def test_worker_exception_is_reported_and_cleaned_up(tiny):
     assert llm.closed and all(not p.is_alive() for p in workers) and not (SHM / segment).exists()
 
 
+def test_closing_an_engine_frees_its_model_at_once(tiny):
+    "The model's weights go when the engine closes, not whenever Python's cyclic collector next runs."
+    import weakref
+    for tp in (1, 2):
+        llm = LLM(tiny, tensor_parallel_size=tp, max_model_len=64)
+        model = weakref.ref(llm.runner.model)
+        llm.close()
+        assert model() is None
+
+
 def test_worker_killed_during_generation(tiny):
     import threading
     llm = LLM(tiny, tensor_parallel_size=2, max_model_len=512)

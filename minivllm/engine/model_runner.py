@@ -5,6 +5,7 @@
 # %% ../../nbs/11_model_runner.ipynb #b0d74a55
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
@@ -379,8 +380,12 @@ class ModelRunner:
         return self.sampler(logits, s.temperatures, s.top_ks, s.top_ps, s.seeds, s.steps, self.generator).tolist()
 
     def exit(self) -> None:
-        "Release the KV cache, leave the group and give back the CPU threads. Idempotent."
-        self.kv_cache = None
+        "Release the model and the KV cache, leave the group and give back the CPU threads. Idempotent."
+        self.kv_cache = self.model = self.graphs = None
+        # subtle: every layer's weight loader, a bound method kept on the layer's own parameter, closes a reference
+        # cycle that only Python's cyclic collector frees, and it runs by object counts, blind to the gigabytes the
+        # weights hold: engines created one after another in one process would pile up their models without this
+        gc.collect()
         if self.comm is not None:
             self.comm.close()
         torch.set_num_threads(self._old_threads)
