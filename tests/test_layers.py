@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -455,3 +458,16 @@ def test_check_sampling_inputs_converts():
     t, k, p = check_sampling_inputs(torch.zeros(2, 4), (0.5, 0.0), (3, -1), (0.9, 1.0))
     assert (t.dtype, k.dtype, p.dtype) == (torch.float32, torch.int64, torch.float32)
     assert k.tolist() == [3, -1] and math.isclose(t[0].item(), 0.5)
+
+
+def test_cpu_kernels_switched_off_give_the_torch_path_bit_for_bit():
+    "MINIVLLM_CPU_KERNEL=0: float32 layers on the CPU run torch's operations again, transformers' bits."
+    code = ("import torch; from minivllm.cpu_kernels import layer_kernels, use_cpu_kernels; "
+            "from minivllm.layers.common import RMSNorm, RotaryEmbedding, SiluAndMul; "
+            "x, p = torch.randn(3, 2, 8), torch.tensor([0, 5, 9]); n, r = RMSNorm(8), RotaryEmbedding(8, 16, 1e4); "
+            "assert layer_kernels() is None and not use_cpu_kernels(x); assert n(x).equal(n.rms_norm(x)); "
+            "assert all(a.equal(b) for a, b in zip(r(p, x, x), r.rotate(p, x, x))); "
+            "g, u = x.chunk(2, -1); assert SiluAndMul()(x).equal(torch.nn.functional.silu(g) * u); print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=os.environ | {"MINIVLLM_CPU_KERNEL": "0"})
+    assert done.returncode == 0 and done.stdout == "ok\n", done.stderr
