@@ -41,7 +41,7 @@ def build_cpu_extension(name: str, source: str) -> bool:
         from torch.utils.cpp_extension import load_inline
         build.mkdir(parents=True, exist_ok=True)
         if not any(build.glob("*.so")):
-            log.warning(f"building the CPU kernels {name} (once on this machine, about 30 s)")
+            log.warning(f"building the CPU kernels {name} (once on this machine, about 25 s)")
         load_inline(f"{name}_{tag}", cpp_sources=[source], extra_cflags=KERNEL_FLAGS, extra_ldflags=["-fopenmp"],
                     build_directory=str(build), is_python_module=False)
         return True
