@@ -292,14 +292,19 @@ static void attend_one(const float* q, const float* kp, const float* vp, const i
   float* acc = buf.data();                // [H, DC * 16]: the scaled queries, then the weighted sum of values
   float* sc = buf.data() + H * DC * 16;   // [H, np]: scores, then softmax numerators
   auto lanes = [&](int64_t c) { return c == DC - 1 ? last : 16; };
+  // token t's row of a cache (all its KV heads); at a block's first token, ask for the next block while this one
+  // is read: the blocks of a sequence lie anywhere in the cache, where the hardware's prefetcher cannot guess them
+  auto row_of = [&](const float* cache, int64_t t) {
+    if (t % bs == 0 && t + bs < n)
+      for (int64_t off = 0; off < bytes; off += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(cache + std::max(table[t / bs + 1], 0) * bs * row) + off);
+    return cache + (static_cast<int64_t>(std::max(table[t / bs], 0)) * bs + t % bs) * row;
+  };
   for (int64_t h = 0; h < H; ++h)
     for (int64_t c = 0; c < DC; ++c) store(acc + (h * DC + c) * 16, load_part(q + h * D + 16 * c, lanes(c)) * scale);
   // 1. scores: one pass over the keys; a token's keys for all KV heads are one contiguous row
   for (int64_t t = 0; t < n; ++t) {
-    if (t % bs == 0 && t + bs < n)  // the next block is elsewhere in memory: ask for it while this one is read
-      for (int64_t off = 0; off < bytes; off += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(kp + std::max(table[t / bs + 1], 0) * bs * row) + off);
-    const float* krow = kp + (static_cast<int64_t>(std::max(table[t / bs], 0)) * bs + t % bs) * row;
+    const float* krow = row_of(kp, t);
     for (int64_t g = 0; g < KVH; ++g) {
       v16 k[DCT ? DCT : 16];
       for (int64_t c = 0; c < DC; ++c) k[c] = load_part(krow + g * D + 16 * c, lanes(c));
@@ -330,10 +335,7 @@ static void attend_one(const float* q, const float* kp, const float* vp, const i
   // 3. values: one pass, every head's weighted sum
   std::fill(acc, acc + H * DC * 16, 0.f);
   for (int64_t t = 0; t < n; ++t) {
-    if (t % bs == 0 && t + bs < n)
-      for (int64_t off = 0; off < bytes; off += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(vp + std::max(table[t / bs + 1], 0) * bs * row) + off);
-    const float* vrow = vp + (static_cast<int64_t>(std::max(table[t / bs], 0)) * bs + t % bs) * row;
+    const float* vrow = row_of(vp, t);
     for (int64_t g = 0; g < KVH; ++g) {
       v16 v[DCT ? DCT : 16];
       for (int64_t c = 0; c < DC; ++c) v[c] = load_part(vrow + g * D + 16 * c, lanes(c));
