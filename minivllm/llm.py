@@ -10,9 +10,9 @@ import logging
 import sys
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable, Sequence as Seq
+from typing import Iterable, Iterator, Sequence as Seq
 
 import transformers
 from tqdm.auto import tqdm
@@ -27,22 +27,41 @@ from .engine.model_runner import EngineArgs, ModelRunner, run_batch
 from .engine.scheduler import SamplingParams, Scheduler, Sequence
 
 # %% auto #0
-__all__ = ['logger', 'DEFAULT_MODEL', 'RequestOutput', 'LLM']
+__all__ = ['logger', 'DEFAULT_MODEL', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer', 'CompletionText', 'Request',
+           'LLM', 'sample_seed']
 
 # %% ../nbs/13_llm.ipynb #23843fa7
 @dataclass
+class CompletionOutput:
+    "One completion of a prompt (`n` of them): whole, or in a streamed delta only what is new."
+    index: int  # which of the prompt's n completions
+    text: str | None  # decoded, cut before a stop string (None when the model has no tokenizer)
+    token_ids: list[int]
+    finish_reason: str | None  # None while it runs; "stop" (EOS, a stop token or string), "length", "abort"
+    logprobs: list[dict[int, float]] | None = None  # per token, when asked: {token id: log-probability}
+
+@dataclass
 class RequestOutput:
-    "What `generate` returns for one prompt: the completion as text and token ids, and why it stopped."
+    "What the engine gives back for one prompt: its completions, whole (`generate`) or what is new (`stream`)."
+    request_id: str
     prompt: str | None  # the prompt as given (None when given as token ids)
     prompt_token_ids: list[int]
-    text: str | None  # the completion, decoded (None when the model has no tokenizer)
-    token_ids: list[int]  # the completion's token ids
-    finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_tokens or max_model_len)
+    outputs: list[CompletionOutput]
+    finished: bool  # every completion of the prompt has finished
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+    # the first completion's fields, for the usual n = 1
+    @property
+    def text(self) -> str | None: return self.outputs[0].text
+    @property
+    def token_ids(self) -> list[int]: return self.outputs[0].token_ids
+    @property
+    def finish_reason(self) -> str | None: return self.outputs[0].finish_reason
 
     def __repr__(self) -> str:
         shown = self.text if self.text is not None else self.token_ids
-        return f"RequestOutput({shown!r}, finish_reason={self.finish_reason!r}, {len(self.token_ids)} tokens)"
+        more = f", {len(self.outputs)} completions" if len(self.outputs) > 1 else ""
+        return f"RequestOutput({shown!r}, finish_reason={self.finish_reason!r}, {len(self.token_ids)} tokens{more})"
 
 # %% ../nbs/13_llm.ipynb #aa745e1d
 class _StderrHandler(logging.Handler):
@@ -75,6 +94,117 @@ def _shutdown(state: dict) -> None:
         if runner is not None:
             runner.exit()
 
+# %% ../nbs/13_llm.ipynb #724be0c9
+class IncrementalDetokenizer:
+    "The text of a growing list of token ids, a new piece per call, decoding only the last few tokens."
+    def __init__(self, tokenizer):
+        self.tokenizer, self.token_ids = tokenizer, []
+        self.prefix = self.read = 0  # ids[prefix:read] were decoded last time; ids[read:] are new
+
+    def _decode(self, ids: list[int]) -> str: return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_ids: list[int]) -> str:
+        "The text that `token_ids` add (possibly empty: a character still incomplete)."
+        self.token_ids.extend(token_ids)
+        before, now = self._decode(self.token_ids[self.prefix:self.read]), self._decode(self.token_ids[self.prefix:])
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.token_ids)
+        return now[len(before):]
+
+    def flush(self) -> str:
+        "What is still held back (an incomplete character at the very end): the completion has finished."
+        rest = self._decode(self.token_ids[self.prefix:])[len(self._decode(self.token_ids[self.prefix:self.read])):]
+        self.prefix = self.read = len(self.token_ids)
+        return rest
+
+# %% ../nbs/13_llm.ipynb #977d007b
+class CompletionText:
+    "A completion's text as its tokens come: decoded piece by piece, cut before the first stop string."
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.detokenizer, self.stop, self.text = IncrementalDetokenizer(tokenizer), stop, ""
+        self.hold = max(map(len, stop), default=1) - 1  # characters that might begin a stop string
+        self.stopped = False  # a stop string was found
+
+    def add(self, token_ids: list[int], finished: bool = False) -> bool:
+        "Add new tokens (and, `finished`, flush the rest); True once a stop string has ended the text."
+        if self.stopped:
+            return True
+        start = max(0, len(self.text) - self.hold)  # subtle: a stop string may begin in the text held back
+        self.text += self.detokenizer.add(token_ids) + (self.detokenizer.flush() if finished else "")
+        found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if found:
+            self.text, self.stopped = self.text[:min(found)], True
+        return self.stopped
+
+    def ready(self, finished: bool) -> int:
+        "How much of the text can be given out: all once finished, else all but what might begin a stop string."
+        return len(self.text) if finished or self.stopped else max(0, len(self.text) - self.hold)
+
+# %% ../nbs/13_llm.ipynb #101bdabd
+class Request:
+    "One prompt's request: its `n` sequences, their text as it comes, and what a stream has already been given."
+    def __init__(self, request_id: str, prompt_text: str | None, seqs: list[Sequence], tokenizer, stream: bool):
+        self.request_id, self.prompt_text, self.seqs = request_id, prompt_text, seqs
+        self.tokenizer, self.stream = tokenizer, stream
+        stop = seqs[0].sampling_params.stop
+        # subtle: text is followed token by token only when a stream or a stop string needs it; generate() of
+        # plain requests decodes each completion once, at the end (the pieces add up to the same text)
+        follow = tokenizer is not None and (stream or bool(stop))
+        self.texts = [CompletionText(tokenizer, stop) if follow else None for _ in seqs]
+        self.seen = [0] * len(seqs)  # per sequence: completion tokens already added to its text
+        self.sent_tokens, self.sent_chars = [0] * len(seqs), [0] * len(seqs)
+        self.sent_finish = [False] * len(seqs)
+
+    @property
+    def is_finished(self) -> bool: return all(s.is_finished for s in self.seqs)
+
+    def update(self, i: int) -> bool:
+        "Follow sequence i's new tokens; True if a stop string has just ended it (the engine then stops it)."
+        seq, text = self.seqs[i], self.texts[i]
+        new = seq.completion_token_ids[self.seen[i]:]
+        self.seen[i] += len(new)
+        return text is not None and not text.stopped and text.add(new, finished=seq.is_finished)
+
+    def _finish_reason(self, i: int) -> str | None:
+        seq, text = self.seqs[i], self.texts[i]
+        return "stop" if text is not None and text.stopped and seq.finish_reason != "abort" else seq.finish_reason
+
+    def _completion(self, i: int, first_token: int, first_char: int) -> CompletionOutput:
+        seq, text = self.seqs[i], self.texts[i]
+        done = seq.is_finished
+        if text is not None:
+            shown = text.text[first_char:text.ready(done)]
+        elif self.tokenizer is not None:
+            shown = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True) if done else ""
+        else:
+            shown = None
+        logprobs = seq.logprobs[first_token:] if seq.logprobs is not None else None
+        return CompletionOutput(i, shown, seq.completion_token_ids[first_token:], self._finish_reason(i) if done else None,
+                                logprobs)
+
+    def output(self) -> RequestOutput:
+        "Everything so far: every completion whole."
+        return RequestOutput(self.request_id, self.prompt_text, self.seqs[0].prompt_token_ids,
+                             [self._completion(i, 0, 0) for i in range(len(self.seqs))], self.is_finished,
+                             self.seqs[0].num_cached_tokens)
+
+    def delta(self) -> RequestOutput | None:
+        "What is new since the last delta: the completions with new text, tokens or an end (None if nothing)."
+        news = []
+        for i, seq in enumerate(self.seqs):
+            c = self._completion(i, self.sent_tokens[i], self.sent_chars[i])
+            ended = seq.is_finished and not self.sent_finish[i]
+            if c.token_ids or c.text or ended:
+                self.sent_tokens[i] += len(c.token_ids)
+                self.sent_chars[i] += len(c.text or "")
+                self.sent_finish[i] = seq.is_finished
+                news.append(c)
+        if not news:
+            return None
+        return RequestOutput(self.request_id, self.prompt_text, self.seqs[0].prompt_token_ids, news, self.is_finished,
+                             self.seqs[0].num_cached_tokens)
+
 # %% ../nbs/13_llm.ipynb #2c587a97
 _told_eager = []  # the CPU runs eagerly: say so once per process, not once per engine
 
@@ -93,6 +223,7 @@ class LLM:
         self.args = args = args.resolved(self.config)
         self.tokenizer = _load_tokenizer(model)
         self._state: dict = {}
+        self._requests: dict[int, tuple[Request, int]] = {}  # live sequence id -> (its request, its index there)
         self._finalizer = weakref.finalize(self, _shutdown, self._state)
         listener = None
         try:
@@ -156,15 +287,38 @@ def _prompt_ids(self: LLM, prompt) -> tuple[str | None, list[int]]:
         raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__} {prompt!r}")
     return None, check_token_ids(prompt, self.config.vocab_size)  # NumPy and torch ints become Python ints
 
+def sample_seed(seed: int | None, index: int) -> int | None:
+    "The seed of a prompt's `index`-th completion: the request's own for the first, a distinct one derived from it after."
+    return seed if seed is None or index == 0 else hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
+
 @patch
-def add_request(self: LLM, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Sequence:
-    "Queue one request; its `Sequence`. `ValueError` (and nothing queued) if the request is bad."
+def add_request(self: LLM, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                request_id: str | None = None, stream: bool = False) -> Request:
+    "Queue one request (its `n` sequences); its `Request`. `ValueError` (and nothing queued) if the request is bad."
     if self.closed:
         raise RuntimeError("this LLM is closed: create a new one to add requests")
     text, ids = self._prompt_ids(prompt)
-    seq = self.scheduler.add(ids, sampling_params)
-    seq.prompt_text = text
-    return seq
+    seqs = [self.scheduler.add(ids, sampling_params)]  # checks the request: its parameters, length and room
+    params = seqs[0].sampling_params
+    try:
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings need a tokenizer, and {self.args.model} has none: use stop_token_ids")
+        for i in range(1, params.n):  # the other samples of the prompt share its blocks (notebook 09)
+            own = replace(params, seed=sample_seed(params.seed, i))
+            seqs.append(self.scheduler.add(ids, own, shares_prompt_with=seqs[0]))
+    except BaseException:
+        for seq in seqs: self.scheduler.abort(seq)
+        raise
+    request = Request(request_id if request_id is not None else str(seqs[0].seq_id), text, seqs, self.tokenizer, stream)
+    self._requests.update({seq.seq_id: (request, i) for i, seq in enumerate(seqs)})
+    return request
+
+@patch
+def abort_request(self: LLM, request: Request) -> None:
+    "Stop a request now, wherever it is: its sequences finish with reason 'abort' and their blocks are free."
+    for seq in request.seqs:
+        self.scheduler.abort(seq)
+        self._requests.pop(seq.seq_id, None)
 
 # %% ../nbs/13_llm.ipynb #f6add91c
 @patch
@@ -185,12 +339,12 @@ def _worker_failure(self: LLM, patience_s: float = 5.0) -> RankFailure | None:
 
 @patch
 def step(self: LLM) -> tuple[list[Sequence], dict]:
-    "Schedule and compute one batch; the sequences it finished, and its stats (kind, tokens, seconds)."
+    "Schedule and compute one batch; the sequences it finished, and its stats (kind, tokens, seconds, sequence ids)."
     start = time.perf_counter()
     runner, channel = self.runner, self.channel  # raises if the engine is closed
     batch = self.scheduler.schedule()
     try:
-        tokens = run_batch(batch, runner, channel)  # notebook 11's step; what follows is what a long-lived engine adds
+        output = run_batch(batch, runner, channel)  # notebook 11's step; what follows is what a long-lived engine adds
     except BaseException as e:
         failure = self._worker_failure() if isinstance(e, Exception) else None
         self.close()
@@ -199,8 +353,17 @@ def step(self: LLM) -> tuple[list[Sequence], dict]:
         if isinstance(e, KeyboardInterrupt):
             raise KeyboardInterrupt("interrupted in the middle of a step: the engine has shut down") from e
         raise
-    finished = self.scheduler.postprocess(batch, tokens)
-    stats = dict(prefill=batch.is_prefill, tokens=batch.num_batched_tokens, seconds=time.perf_counter() - start)
+    finished = self.scheduler.postprocess(batch, *output)
+    for seq, sampled in zip(batch.seqs, batch.samples):  # the text of each new token, and the stop strings
+        if sampled and seq.seq_id in self._requests:
+            request, i = self._requests[seq.seq_id]
+            if request.update(i) and not seq.is_finished:
+                self.scheduler.abort(seq, "stop")
+                finished.append(seq)
+    for seq in finished:
+        self._requests.pop(seq.seq_id, None)
+    stats = dict(prefill=batch.is_prefill, tokens=batch.num_batched_tokens, seconds=time.perf_counter() - start,
+                 seq_ids=[s.seq_id for s in batch.seqs])
     return finished, stats
 
 # %% ../nbs/13_llm.ipynb #859dbf4e
@@ -215,51 +378,65 @@ def _as_prompt_list(prompts) -> tuple[list, bool]:
     return prompts, False
 
 @patch
-def _output(self: LLM, seq: Sequence) -> RequestOutput:
-    "The `RequestOutput` of a finished sequence."
-    ids = seq.completion_token_ids
-    text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
-    return RequestOutput(seq.prompt_text, seq.prompt_token_ids, text, ids, seq.finish_reason, seq.num_cached_tokens)
+def _add_requests(self: LLM, prompts: list, sampling_params, stream: bool) -> list[Request]:
+    "Queue one request per prompt, all or nothing: a bad one leaves none of them queued (its error names it)."
+    params = sampling_params if sampling_params is not None else SamplingParams()
+    params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params: give one, or one per prompt")
+    requests = []
+    try:
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                requests.append(self.add_request(prompt, p, request_id=str(i), stream=stream))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+    except BaseException:
+        for r in requests: self.abort_request(r)
+        raise
+    return requests
 
 @patch
 def generate(self: LLM, prompts, sampling_params: SamplingParams | Iterable[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[RequestOutput] | RequestOutput:
     "Complete every prompt (strings or token-id lists); outputs in prompt order (one output for one prompt)."
     prompts, single = _as_prompt_list(prompts)
-    params = sampling_params if sampling_params is not None else SamplingParams()
-    params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-    if len(params) != len(prompts):
-        raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params: give one, or one per prompt")
-    seqs = []
-    try:  # all or nothing: a bad request leaves no other request of this call queued
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            try:
-                seqs.append(self.add_request(prompt, p))
-            except (ValueError, TypeError) as e:
-                raise type(e)(f"prompt {i}: {e}") from None
-    except BaseException:
-        for seq in seqs: self.scheduler.abort(seq)
-        raise
-    bar = tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+    requests = self._add_requests(prompts, sampling_params, stream=False)
+    bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
     spent = {True: [0, 0.0], False: [0, 0.0]}  # prefill / decode: tokens, seconds
     try:
-        while not all(s.is_finished for s in seqs):
-            finished, stats = self.step()
+        while not all(r.is_finished for r in requests):
+            _, stats = self.step()
             kind = spent[stats["prefill"]]
             kind[0] += stats["tokens"]; kind[1] += stats["seconds"]
             if use_tqdm:
                 rate = lambda k: f"{spent[k][0] / spent[k][1]:.0f}" if spent[k][1] else "-"
                 bar.set_postfix_str(f"prefill {rate(True)} tok/s, decode {rate(False)} tok/s", refresh=False)
-                bar.update(sum(s in seqs for s in finished))
+                bar.update(sum(r.is_finished for r in requests) - bar.n)
     except BaseException:
         # subtle: whatever interrupted us (Ctrl-C in the progress bar, an error between steps), this call's requests
         # must not stay queued: later calls would decode them and never return them. Their blocks are freed now.
-        for seq in seqs: self.scheduler.abort(seq)
+        for r in requests: self.abort_request(r)
         raise
     finally:
         bar.close()
-    outputs = [self._output(s) for s in seqs]
+    outputs = [r.output() for r in requests]
     return outputs[0] if single else outputs
+
+@patch
+def stream(self: LLM, prompts, sampling_params: SamplingParams | Iterable[SamplingParams] | None = None
+           ) -> Iterator[RequestOutput]:
+    "Complete prompts as `generate` does, yielding what is new for each request after every step (`request_id`: its index)."
+    prompts, _ = _as_prompt_list(prompts)
+    requests = self._add_requests(prompts, sampling_params, stream=True)
+    try:
+        while not all(r.is_finished for r in requests):
+            self.step()
+            for r in requests:
+                if (delta := r.delta()) is not None:
+                    yield delta
+    finally:  # the caller stopped reading, or a step failed: abort what is left (a no-op for the finished)
+        for r in requests: self.abort_request(r)
 
 # %% ../nbs/13_llm.ipynb #270ad5f5
 @patch

@@ -114,9 +114,9 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(tiny, prompt, par
         good = llm.add_request([1, 2, 3], GREEDY)
         with pytest.raises((ValueError, TypeError), match=message):
             llm.generate([[4, 5], prompt], [GREEDY, params], use_tqdm=False)
-        assert list(llm.scheduler.waiting) == [good]  # the good request of the failed call was not left queued
+        assert list(llm.scheduler.waiting) == good.seqs  # the good request of the failed call was not left queued
         while not good.is_finished: llm.step()
-        assert len(good.completion_token_ids) == MAX_TOKENS
+        assert len(good.output().token_ids) == MAX_TOKENS
         assert len(llm.generate([4, 5], GREEDY, use_tqdm=False).token_ids) == MAX_TOKENS
 
 

@@ -11,7 +11,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import socket
 
@@ -21,13 +21,13 @@ from ..config import Config, check_positive_int, is_int
 from ..shm_allreduce import make_communicator
 from .scheduler import ScheduledBatch, Scheduler, context_lengths, token_positions
 from ..kv_cache import allocate_kv_cache, cpu_decode_kernel, decode_metadata, kv_cache_bytes_per_block, prefill_metadata
-from ..layers.common import GREEDY_TEMPERATURE, Sampler
+from ..layers.common import GREEDY_TEMPERATURE, Sampler, apply_penalties, token_logprobs
 from ..models import build_model, load_checkpoint
 
 # %% auto #0
-__all__ = ['EngineArgs', 'StepInputs', 'SamplingInputs', 'available_memory_bytes', 'cpu_kv_cache_budget', 'cuda_kv_cache_budget',
-           'blocks_for_budget', 'threads_for_load', 'cpu_ticks', 'process_ticks', 'ThreadPolicy', 'ModelRunner',
-           'run_batch', 'run_until_done']
+__all__ = ['EngineArgs', 'StepInputs', 'SamplingInputs', 'StepOutput', 'available_memory_bytes', 'cpu_kv_cache_budget',
+           'cuda_kv_cache_budget', 'blocks_for_budget', 'threads_for_load', 'cpu_ticks', 'process_ticks',
+           'ThreadPolicy', 'ModelRunner', 'run_batch', 'run_until_done']
 
 # %% ../../nbs/11_model_runner.ipynb #a6f39f7a
 @dataclass
@@ -93,13 +93,14 @@ class StepInputs:
     num_computed_tokens: list[int]  # per sequence: tokens already in the KV cache
     num_new_tokens: list[int]  # per sequence: tokens computed now (1 in decode)
     block_tables: list[list[int]]  # per sequence: its KV-cache blocks
-    greedy: bool = False  # every sequence is greedy: rank 0 needs each row's argmax, not its logits
+    greedy: bool = False  # every sequence is plain greedy: rank 0 needs each row's argmax, not its logits
     num_threads: int | None = None  # CPU: the intra-op threads every rank uses for this step (rank 0's choice)
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch, num_threads: int | None = None) -> StepInputs:
         "The inputs of a scheduled batch (read before `Scheduler.postprocess` changes its sequences)."
-        greedy = all(s.sampling_params.temperature < GREEDY_TEMPERATURE for s in batch.seqs)
+        greedy = all(s.sampling_params.temperature < GREEDY_TEMPERATURE and not s.sampling_params.needs_logits
+                     for s in batch.seqs)
         return cls(batch.is_prefill, batch.input_ids, list(batch.num_computed_tokens), list(batch.num_new_tokens),
                    [list(t) for t in batch.block_tables], greedy, num_threads)
 
@@ -137,13 +138,29 @@ class SamplingInputs:
     top_ps: list[float]
     seeds: list[int | None]
     steps: list[int]
+    presence_penalties: list[float] | None = None  # None: no sequence of the step has penalties
+    frequency_penalties: list[float] | None = None
+    output_token_ids: list[list[int]] | None = None  # the tokens generated so far, which the penalties count
+    num_logprobs: list[int | None] | None = None  # None: no sequence asks for logprobs
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> SamplingInputs:
         "The sampling settings of a scheduled batch's sequences."
         params = [s.sampling_params for s in batch.seqs]
-        return cls([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
-                   [p.seed for p in params], [s.num_completion_tokens for s in batch.seqs])
+        inputs = cls([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
+                     [p.seed for p in params], [s.num_completion_tokens for s in batch.seqs])
+        if any(p.presence_penalty or p.frequency_penalty for p in params):
+            inputs.presence_penalties = [p.presence_penalty for p in params]
+            inputs.frequency_penalties = [p.frequency_penalty for p in params]
+            inputs.output_token_ids = [s.completion_token_ids for s in batch.seqs]
+        if any(p.logprobs is not None for p in params):
+            inputs.num_logprobs = [p.logprobs for p in params]
+        return inputs
+
+class StepOutput(NamedTuple):
+    "What rank 0 returns from a step: one sampled token per sequence, and the logprobs of those that asked."
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None] | None = None
 
 # %% ../../nbs/11_model_runner.ipynb #99bda7bb
 def available_memory_bytes() -> int:
@@ -364,20 +381,24 @@ class ModelRunner:
         return self.model.compute_logits(self._last_hidden(step, kv_cache))  # subtle: outside any CUDA graph
 
     @torch.no_grad()
-    def run(self, step: StepInputs, sampling: SamplingInputs | None = None) -> list[int] | None:
-        "Compute one step on this rank; rank 0 returns one sampled token id per sequence, the others None."
+    def run(self, step: StepInputs, sampling: SamplingInputs | None = None) -> StepOutput | None:
+        "Compute one step on this rank; rank 0 returns the sampled token ids (and logprobs), the others None."
         if self.rank == 0 and sampling is None:
             raise ValueError("rank 0 needs the step's SamplingInputs to sample")
         if step.num_threads is not None and step.num_threads != torch.get_num_threads():
             torch.set_num_threads(step.num_threads)
         if step.greedy:
             tokens = self.model.greedy_tokens(self._last_hidden(step, self.kv_cache))
-            return tokens.tolist() if self.rank == 0 else None
+            return StepOutput(tokens.tolist()) if self.rank == 0 else None
         logits = self._forward(step, self.kv_cache)
         if self.rank != 0:
             return None
-        s = sampling
-        return self.sampler(logits, s.temperatures, s.top_ks, s.top_ps, s.seeds, s.steps, self.generator).tolist()
+        s, raw = sampling, logits
+        if s.presence_penalties is not None:
+            logits = apply_penalties(logits, s.output_token_ids, s.presence_penalties, s.frequency_penalties)
+        tokens = self.sampler(logits, s.temperatures, s.top_ks, s.top_ps, s.seeds, s.steps, self.generator)
+        logprobs = token_logprobs(raw, tokens, s.num_logprobs) if s.num_logprobs is not None else None
+        return StepOutput(tokens.tolist(), logprobs)
 
     def exit(self) -> None:
         "Release the model and the KV cache, leave the group and give back the CPU threads. Idempotent."
@@ -391,7 +412,7 @@ class ModelRunner:
         torch.set_num_threads(self._old_threads)
 
 # %% ../../nbs/11_model_runner.ipynb #076c8c29
-def run_batch(batch: ScheduledBatch, runner: ModelRunner, channel=None) -> list[int]:
+def run_batch(batch: ScheduledBatch, runner: ModelRunner, channel=None) -> StepOutput:
     "Compute one scheduled batch: send it to the workers behind `channel` (without waiting), run rank 0's share; the sampled tokens."
     inputs = StepInputs.from_batch(batch, runner.threads.choose() if runner.threads is not None else None)
     if channel is not None:
@@ -404,5 +425,5 @@ def run_until_done(scheduler: Scheduler, runner: ModelRunner, channel=None, max_
         if scheduler.is_finished():
             return step_no
         batch = scheduler.schedule()
-        scheduler.postprocess(batch, run_batch(batch, runner, channel))
+        scheduler.postprocess(batch, *run_batch(batch, runner, channel))
     raise RuntimeError(f"requests still unfinished after {max_steps} steps")

@@ -30,6 +30,11 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating after the model's end-of-sequence token (benchmarks do)
     seed: int | None = None  # makes this request's sampling reproducible, whatever it is batched with
     stop_token_ids: tuple[int, ...] = ()  # more tokens that end the request (kept as its last token, like EOS)
+    stop: tuple[str, ...] = ()  # strings that end the request; its text stops just before the first one found
+    n: int = 1  # how many completions of the prompt to sample (they share the prompt's KV blocks)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far (-2 to 2, OpenAI's)
+    frequency_penalty: float = 0.0  # subtracted from a token's logit once per time it was generated (-2 to 2)
+    logprobs: int | None = None  # k: each generated token's log-probability, and the k most likely (0 to 20)
 
     def __post_init__(self):
         t = self.temperature
@@ -51,6 +56,24 @@ class SamplingParams:
         if stop is None:
             raise ValueError(f"stop_token_ids must be a sequence of token ids (integers >= 0), got {self.stop_token_ids!r}")
         self.stop_token_ids = tuple(check_token_ids(stop, what="stop_token_ids")) if stop else ()
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, Iterable) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        self.stop = tuple(stop)
+        if not is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1 (the completions to sample), got {self.n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be a number from -2 to 2 (0 = off), got {v!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be None or an integer from 0 to 20 (the most likely tokens to show), "
+                             f"got {self.logprobs!r}")
+
+    @property
+    def needs_logits(self) -> bool:
+        "Whether sampling needs the whole logits row even when greedy: penalties change it, logprobs report it."
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.logprobs is not None
 
 # %% ../../nbs/09_scheduler.ipynb #280b48e0
 class SequenceStatus(Enum):
@@ -72,6 +95,9 @@ class Sequence:
         self.num_cached_tokens = 0  # of those, found in the prefix cache at the last allocation
         self.finish_reason: str | None = None  # "stop" (EOS or a stop token), "length" (max_tokens, max_model_len), "abort"
         self.num_preemptions = 0
+        # per generated token, when logprobs are asked for: {token id: log-probability} of the sampled and top tokens
+        self.logprobs: list[dict[int, float]] | None = [] if self.sampling_params.logprobs is not None else None
+        self.shares_prompt_with: Sequence | None = None  # another sample of the same prompt, admitted before this one
 
     @property
     def num_tokens(self) -> int: return len(self.token_ids)
@@ -166,7 +192,8 @@ class Scheduler:
         "Whether every sequence added so far has finished."
         return not self.waiting and not self.running
 
-    def add(self, prompt_token_ids: Iterable[int], sampling_params: SamplingParams | None = None) -> Sequence:
+    def add(self, prompt_token_ids: Iterable[int], sampling_params: SamplingParams | None = None,
+            shares_prompt_with: Sequence | None = None) -> Sequence:
         "Queue a request; its `Sequence`. `ValueError` if it could never run (too long, or too big for the whole cache)."
         prompt = check_token_ids(prompt_token_ids)
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -183,7 +210,10 @@ class Scheduler:
                              f"the whole KV cache has {self.block_manager.num_blocks} blocks of "
                              f"{self.block_manager.block_size} tokens: shorten the prompt or max_tokens, or give the "
                              "cache more memory")
+        if shares_prompt_with is not None and shares_prompt_with.prompt_token_ids != prompt:
+            raise ValueError("shares_prompt_with must be a sequence of the same prompt")
         seq = Sequence(next(self.seq_ids), prompt, params)
+        seq.shares_prompt_with = shares_prompt_with
         self.waiting.append(seq)
         return seq
 
@@ -210,6 +240,11 @@ class Scheduler:
                 take(seq)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            first = seq.shares_prompt_with
+            # subtle: another sample of the same prompt waits until the first one's prompt is in the cache, so that
+            # its allocation finds every full block of the prompt there instead of computing them a second time
+            if first is not None and not first.is_finished and first.num_computed_tokens < first.num_prompt_tokens:
+                break
             if not self.block_manager.can_allocate(seq.token_ids):
                 break  # first come, first served: later requests do not overtake it
             seq.block_table, seq.num_cached_tokens = self.block_manager.allocate(seq.token_ids)
@@ -250,8 +285,8 @@ class Scheduler:
         # subtle: victims are taken newest first and each goes to the front, so the queue keeps their admission order.
         self.waiting.appendleft(seq)
 
-    def abort(self, seq: Sequence) -> None:
-        "Stop `seq` now, waiting or running: its blocks are freed and it finishes with reason 'abort'. No-op if finished."
+    def abort(self, seq: Sequence, finish_reason: str = "abort") -> None:
+        "Stop `seq` now, waiting or running: its blocks are freed and it finishes (reason 'abort'). No-op if finished."
         if seq.is_finished:
             return
         if seq.status is SequenceStatus.RUNNING:
@@ -259,29 +294,35 @@ class Scheduler:
             self.block_manager.free(seq.block_table)
         else:
             self.waiting.remove(seq)
-        seq.block_table, seq.status, seq.finish_reason = [], SequenceStatus.FINISHED, "abort"
+        seq.block_table, seq.status, seq.finish_reason = [], SequenceStatus.FINISHED, finish_reason
 
     # ---- recording a step
-    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int | None]) -> list[Sequence]:
-        "Record a computed step, given one sampled token per sequence (ignored where `batch.samples` is False); the finished ones."
+    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int | None],
+                    logprobs: list[dict[int, float] | None] | None = None) -> list[Sequence]:
+        "Record a computed step, given one sampled token per sequence (ignored where `batch.samples` is False) and its logprobs; the finished ones."
         if len(sampled_token_ids) != batch.num_seqs:
             raise ValueError(f"expected one sampled token per sequence of the batch ({batch.num_seqs}), "
                              f"got {len(sampled_token_ids)}")
-        for seq, computed, samples, token in zip(batch.seqs, batch.num_computed_tokens, batch.samples, sampled_token_ids):
+        for i, (seq, computed, samples, token) in enumerate(zip(batch.seqs, batch.num_computed_tokens, batch.samples,
+                                                                sampled_token_ids)):
             if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != computed:
                 raise RuntimeError(f"sequence {seq.seq_id} changed since this batch was scheduled: call postprocess "
                                    "exactly once for each batch, before the next schedule()")
             if samples and (not is_int(token) or token < 0):
                 raise ValueError(f"the token sampled for sequence {seq.seq_id} must be a token id (an integer >= 0), "
                                  f"got {token!r}")
+            if samples and seq.logprobs is not None and not (logprobs and isinstance(logprobs[i], dict)):
+                raise ValueError(f"sequence {seq.seq_id} asked for logprobs: give a {{token id: logprob}} for its token")
         finished = []  # checked everything first: a bad call changes nothing
-        for seq, computed, new, samples, token in zip(batch.seqs, batch.num_computed_tokens, batch.num_new_tokens,
-                                                      batch.samples, sampled_token_ids):
+        for i, (seq, computed, new, samples, token) in enumerate(zip(
+                batch.seqs, batch.num_computed_tokens, batch.num_new_tokens, batch.samples, sampled_token_ids)):
             seq.num_computed_tokens = computed + new
             self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
             if not samples:
                 continue  # a chunk of a prompt: its logits are not the next token's
             seq.token_ids.append(int(token))
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprobs[i])
             seq.finish_reason = self._finish_reason(seq)
             if seq.finish_reason is not None:
                 seq.status = SequenceStatus.FINISHED

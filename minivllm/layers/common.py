@@ -18,7 +18,8 @@ from ..config import Config, rope_type
 
 # %% auto #0
 __all__ = ['GREEDY_TEMPERATURE', 'RMSNorm', 'SiluAndMul', 'rope_inv_freq', 'checked_cos_sin', 'RotaryEmbedding', 'get_rope',
-           'apply_top_k_top_p', 'row_seed', 'exponential_noise', 'check_sampling_inputs', 'Sampler']
+           'apply_top_k_top_p', 'row_seed', 'exponential_noise', 'check_sampling_inputs', 'Sampler', 'apply_penalties',
+           'token_logprobs']
 
 # %% ../../nbs/05_layers.ipynb #a63fdbfc
 class RMSNorm(nn.Module):
@@ -263,3 +264,33 @@ class Sampler(nn.Module):
         # 0/0 = NaN, which argmax would pick.
         sampled = (probs / noise.clamp_min_(1e-10)).argmax(dim=-1)
         return torch.where(greedy, greedy_tokens, sampled)
+
+# %% ../../nbs/05_layers.ipynb #b326e6d2
+def apply_penalties(logits: torch.Tensor, output_token_ids: Sequence[Sequence[int]], presence_penalties,
+                    frequency_penalties) -> torch.Tensor:
+    "Logits `[B, V]` (float32) lowered, row i, by its presence penalty for each token generated so far and its frequency penalty per time."
+    batch, vocab = logits.shape
+    counts = torch.zeros(batch, vocab, dtype=torch.float32, device=logits.device)
+    for i, ids in enumerate(output_token_ids):
+        if ids:
+            counts[i].index_add_(0, torch.as_tensor(ids, dtype=torch.int64, device=logits.device),
+                                 torch.ones(len(ids), device=logits.device))
+    presence = torch.as_tensor(presence_penalties, dtype=torch.float32, device=logits.device)[:, None]
+    frequency = torch.as_tensor(frequency_penalties, dtype=torch.float32, device=logits.device)[:, None]
+    return logits.float() - frequency * counts - presence * (counts > 0)
+
+# %% ../../nbs/05_layers.ipynb #f3afbc0e
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int | None]) -> list[dict[int, float] | None]:
+    "Per row: `{token id: log-probability}` of its sampled token and its `num_top[i]` most likely tokens (None: not asked)."
+    wanted = [i for i, k in enumerate(num_top) if k is not None]
+    out: list[dict[int, float] | None] = [None] * len(num_top)
+    if not wanted:
+        return out
+    logprobs = torch.log_softmax(logits[wanted].float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids[wanted].view(-1, 1)).squeeze(1).tolist()
+    k = max(num_top[i] for i in wanted)
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    for row, (i, lp, ids, lps) in enumerate(zip(wanted, chosen, top_ids.tolist(), top_lp.tolist())):
+        out[i] = dict(zip(ids[:num_top[i]], lps[:num_top[i]]))
+        out[i][int(token_ids[i])] = lp  # subtle: the sampled token is always there, top-k or not
+    return out
