@@ -81,6 +81,26 @@ def make_parser() -> argparse.ArgumentParser:
                    help="wrap each prompt in the model's chat template and print only the reply (default: off)")
     g.add_argument("--quiet", action="store_true",
                    help="no progress bar and no engine notices on stderr (default: off)")
+    s = sub.add_parser("serve", help="serve a model over OpenAI's API (completions, chat, streaming)",
+                       description="Serve a model over OpenAI's API until Ctrl-C or SIGTERM: POST /v1/completions, "
+                                   "POST /v1/chat/completions, GET /v1/models, /health and /metrics (notebook 13b).")
+    s.add_argument("--model", default=None,
+                   help="a Hugging Face checkpoint folder or hub id (default: the packaged model)")
+    s.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (default: %(default)s)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="the address to listen on (default: %(default)s, this machine only; 0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="the port to listen on, 0 = any free one (default: %(default)s)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 requests (default: none; also MINIVLLM_API_KEY)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (default: --model as given, or minivllm-default)")
+    s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the weights' dtype (default: the checkpoint's)")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="the longest prompt + completion, in tokens (default: the model's, at most 4096)")
+    s.add_argument("--max-num-seqs", type=int, default=256, help="the most requests in one batch (default: %(default)s)")
+    s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="uvicorn's log level; info logs every request (default: %(default)s)")
     # subtle: listed for --help only; main() hands `bench ...` to minivllm.bench unparsed: it has its own options
     b = sub.add_parser("bench", add_help=False,
                        help="throughput benchmark against transformers (minivllm bench --help)")
@@ -111,6 +131,20 @@ def _generate_command(a: argparse.Namespace) -> int:
         if len(outputs) > 1: print("-" * 40)
     return 0
 
+def _serve_command(a: argparse.Namespace) -> int:
+    "`minivllm serve`: serve the model until Ctrl-C or SIGTERM."
+    import os
+    from minivllm.server import serve
+    if not 0 <= a.port <= 65535:
+        raise ValueError(f"--port must be from 0 to 65535, got {a.port}")
+    folder = resolve_model(a.model) if a.model is not None else DEFAULT_MODEL
+    if folder.exists():  # the checks that need no weights, before anything binds or loads
+        Config.from_pretrained(folder, tensor_parallel_size=a.tp, dtype=a.dtype)
+    serve(folder if a.model is not None else None, a.tp, a.host, a.port, a.api_key or os.environ.get("MINIVLLM_API_KEY"),
+          a.served_model_name or a.model, a.log_level, dtype=a.dtype, max_model_len=a.max_model_len,
+          max_num_seqs=a.max_num_seqs)
+    return 0
+
 # the errors a user can cause; OSError covers FileNotFoundError, NotADirectoryError, PermissionError
 USER_ERRORS = (ValueError, TypeError, OSError, RankFailure, RuntimeError)
 
@@ -130,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             args = make_parser().parse_args(argv)
         except SystemExit as e:  # --help, --version, or a usage error (already printed in one line)
             return e.code if isinstance(e.code, int) else 0
-        return _generate_command(args)  # subtle: the one command left once `bench` has been handed over above
+        return _serve_command(args) if args.command == "serve" else _generate_command(args)
     except USER_ERRORS as e:
         print(f"minivllm: error: {_one_line(e)}", file=sys.stderr)
         return 2

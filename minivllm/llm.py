@@ -49,6 +49,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool  # every completion of the prompt has finished
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    time: float = 0.0  # time.perf_counter() when the engine produced this output
 
     # the first completion's fields, for the usual n = 1
     @property
@@ -94,7 +95,7 @@ def _shutdown(state: dict) -> None:
         if runner is not None:
             runner.exit()
 
-# %% ../nbs/13_llm.ipynb #724be0c9
+# %% ../nbs/13_llm.ipynb #f7f8de9d
 class IncrementalDetokenizer:
     "The text of a growing list of token ids, a new piece per call, decoding only the last few tokens."
     def __init__(self, tokenizer):
@@ -118,7 +119,7 @@ class IncrementalDetokenizer:
         self.prefix = self.read = len(self.token_ids)
         return rest
 
-# %% ../nbs/13_llm.ipynb #977d007b
+# %% ../nbs/13_llm.ipynb #2d536ce4
 class CompletionText:
     "A completion's text as its tokens come: decoded piece by piece, cut before the first stop string."
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
@@ -141,7 +142,7 @@ class CompletionText:
         "How much of the text can be given out: all once finished, else all but what might begin a stop string."
         return len(self.text) if finished or self.stopped else max(0, len(self.text) - self.hold)
 
-# %% ../nbs/13_llm.ipynb #101bdabd
+# %% ../nbs/13_llm.ipynb #b71292bb
 class Request:
     "One prompt's request: its `n` sequences, their text as it comes, and what a stream has already been given."
     def __init__(self, request_id: str, prompt_text: str | None, seqs: list[Sequence], tokenizer, stream: bool):
@@ -187,7 +188,7 @@ class Request:
         "Everything so far: every completion whole."
         return RequestOutput(self.request_id, self.prompt_text, self.seqs[0].prompt_token_ids,
                              [self._completion(i, 0, 0) for i in range(len(self.seqs))], self.is_finished,
-                             self.seqs[0].num_cached_tokens)
+                             self.seqs[0].num_cached_tokens, time.perf_counter())
 
     def delta(self) -> RequestOutput | None:
         "What is new since the last delta: the completions with new text, tokens or an end (None if nothing)."
@@ -203,7 +204,7 @@ class Request:
         if not news:
             return None
         return RequestOutput(self.request_id, self.prompt_text, self.seqs[0].prompt_token_ids, news, self.is_finished,
-                             self.seqs[0].num_cached_tokens)
+                             self.seqs[0].num_cached_tokens, time.perf_counter())
 
 # %% ../nbs/13_llm.ipynb #2c587a97
 _told_eager = []  # the CPU runs eagerly: say so once per process, not once per engine
@@ -293,12 +294,12 @@ def sample_seed(seed: int | None, index: int) -> int | None:
 
 @patch
 def add_request(self: LLM, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                request_id: str | None = None, stream: bool = False) -> Request:
-    "Queue one request (its `n` sequences); its `Request`. `ValueError` (and nothing queued) if the request is bad."
+                request_id: str | None = None, stream: bool = False, must_fit: bool = False) -> Request:
+    "Queue one request (its `n` sequences); its `Request`. `ValueError` (and nothing queued) if the request is bad; `must_fit`: see `Scheduler.add`."
     if self.closed:
         raise RuntimeError("this LLM is closed: create a new one to add requests")
     text, ids = self._prompt_ids(prompt)
-    seqs = [self.scheduler.add(ids, sampling_params)]  # checks the request: its parameters, length and room
+    seqs = [self.scheduler.add(ids, sampling_params, must_fit=must_fit)]  # checks its parameters, length and room
     params = seqs[0].sampling_params
     try:
         if params.stop and self.tokenizer is None:
@@ -451,6 +452,6 @@ def chat(self: LLM, conversations: list[dict] | list[list[dict]], sampling_param
          use_tqdm: bool = True) -> RequestOutput | list[RequestOutput]:
     "Reply to one conversation (a list of messages) or to each of a list of them."
     single = bool(conversations) and isinstance(conversations[0], dict)
-    prompts = [apply_chat_template(self, c) for c in ([conversations] if single else conversations)]
+    prompts = [self.apply_chat_template(c) for c in ([conversations] if single else conversations)]
     outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
     return outputs[0] if single else outputs

@@ -21,17 +21,18 @@ from .engine.block_manager import BlockManager
 from .engine.scheduler import SamplingParams, ScheduledBatch, Scheduler, SequenceStatus
 from .kv_cache import Attention, allocate_kv_cache, decode_metadata, prefill_metadata, slot_mapping, store_kvcache
 from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from .llm import LLM
+from .llm import DEFAULT_MODEL, LLM
 from .models import CausalLM
 from .shm_allreduce import SEGMENT_PREFIX
 
 # %% auto #0
-__all__ = ['ATTENTION_TOL', 'FAKE_VOCAB', 'make_tiny_checkpoint', 'greedy_generate', 'prefill_logits', 'hf_logits', 'hf_greedy',
-           'rand', 'load_layer', 'load_tensors', 'split_heads', 'gqa_attention', 'TinyLM', 'hf_rope', 'hf_rotate',
-           'dense_causal_attention', 'random_sequences', 'cat_rows', 'scattered_block_tables', 'tiny_store_inputs',
-           'PagedCase', 'check_prefill_then_decode', 'check_invariants', 'next_token', 'FakeRunner', 'reference_tokens',
-           'check_batch', 'step_states', 'run_scheduler', 'InterruptedAfterOneStep', 'Recorder', 'records', 'gone',
-           'wait_until', 'default_sigint', 'rank_processes', 'shm_segments', 'leftover_segments']
+__all__ = ['CHAT_TEMPLATE', 'ATTENTION_TOL', 'FAKE_VOCAB', 'make_tiny_checkpoint', 'make_chat_checkpoint', 'greedy_generate',
+           'prefill_logits', 'hf_logits', 'hf_greedy', 'rand', 'load_layer', 'load_tensors', 'split_heads',
+           'gqa_attention', 'TinyLM', 'hf_rope', 'hf_rotate', 'dense_causal_attention', 'random_sequences', 'cat_rows',
+           'scattered_block_tables', 'tiny_store_inputs', 'PagedCase', 'check_prefill_then_decode', 'check_invariants',
+           'next_token', 'FakeRunner', 'reference_tokens', 'check_batch', 'step_states', 'run_scheduler',
+           'InterruptedAfterOneStep', 'Recorder', 'records', 'gone', 'wait_until', 'default_sigint', 'rank_processes',
+           'shm_segments', 'leftover_segments', 'ServerProcess']
 
 # %% ../nbs/18_testing.ipynb #ea55be3c
 def make_tiny_checkpoint(path: str | Path, model_type: str = "qwen3", *, tie_word_embeddings: bool = False,
@@ -56,6 +57,20 @@ def make_tiny_checkpoint(path: str | Path, model_type: str = "qwen3", *, tie_wor
                 if n.endswith(".bias"): p.normal_(0, initializer_range)
     model.save_pretrained(path)
     return Path(path)
+
+# %% ../nbs/18_testing.ipynb #2e806267
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+def make_chat_checkpoint(path: str | Path, **overrides) -> Path:
+    "A tiny random checkpoint with the packaged model's tokenizer and `CHAT_TEMPLATE`; returns the path."
+    import json
+    import shutil
+    path = make_tiny_checkpoint(path, **({"vocab_size": 4096} | overrides))
+    shutil.copy(DEFAULT_MODEL / "tokenizer.json", path)
+    config = json.loads((DEFAULT_MODEL / "tokenizer_config.json").read_text()) | {"chat_template": CHAT_TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return path
 
 # %% ../nbs/18_testing.ipynb #7d8da291
 @torch.no_grad()
@@ -305,7 +320,7 @@ def reference_tokens(prompt: list[int], params: SamplingParams, eos_token_ids=()
         tokens.append(next_token(tokens))
         t, out = tokens[-1], tokens[len(prompt):]
         if t in params.stop_token_ids or (t in eos_token_ids and not params.ignore_eos) \
-           or len(out) >= params.max_tokens or len(tokens) >= max_model_len:
+           or len(out) >= (params.max_tokens or max_model_len) or len(tokens) >= max_model_len:
             return out
 
 # %% ../nbs/18_testing.ipynb #7a46a889
@@ -441,3 +456,40 @@ def leftover_segments(before: set[str], pid: int | None = None) -> list[str]:
         if creator.isdigit() and (int(creator) == pid or gone(int(creator))):
             left.append(name)
     return left
+
+# %% ../nbs/18_testing.ipynb #d910348b
+class ServerProcess:
+    "`minivllm serve ARGS` in a child process on a free loopback port; `url` once it listens; SIGTERM when the block ends."
+    def __init__(self, *args: str, timeout_s: float = 180.0):
+        import queue, re, subprocess, sys, threading
+        self.log: list[str] = []  # everything the server wrote to stderr
+        self.proc = subprocess.Popen([sys.executable, "-m", "minivllm", "serve", "--port", "0", *args],
+                                     stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+        lines: queue.Queue = queue.Queue()
+        def drain():  # subtle: read stderr to the end, or a chatty server would block on a full pipe
+            for line in self.proc.stderr:
+                self.log.append(line); lines.put(line)
+            lines.put(None)
+        threading.Thread(target=drain, daemon=True).start()
+        deadline, self.url = time.monotonic() + timeout_s, None
+        while self.url is None:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None:
+                self.stop(signal.SIGKILL)
+                raise RuntimeError("minivllm serve did not start:\n" + "".join(self.log[-30:]))
+            if (m := re.search(r"at (http://\S+)/v1 ", line)):
+                self.url = m.group(1)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+        "Send `sig` and wait for the server to exit; its exit status."
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout_s)
+
+    def __enter__(self): return self
+    def __exit__(self, *exc):
+        try: self.stop()
+        except Exception: self.stop(signal.SIGKILL)

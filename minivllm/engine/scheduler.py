@@ -26,7 +26,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0: greedy (always the most likely token)
     top_k: int = -1  # -1: off; k >= 1: sample among the k most likely tokens
     top_p: float = 1.0  # 1: off; p < 1: sample among the fewest most likely tokens whose probability reaches p
-    max_tokens: int = 64  # the most tokens to generate
+    max_tokens: int | None = 64  # the most tokens to generate (None: until the sequence reaches max_model_len)
     ignore_eos: bool = False  # keep generating after the model's end-of-sequence token (benchmarks do)
     seed: int | None = None  # makes this request's sampling reproducible, whatever it is batched with
     stop_token_ids: tuple[int, ...] = ()  # more tokens that end the request (kept as its last token, like EOS)
@@ -45,8 +45,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
         if not is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r} (or None: up to max_model_len)")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.seed is not None and not is_int(self.seed):
@@ -193,8 +193,8 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def add(self, prompt_token_ids: Iterable[int], sampling_params: SamplingParams | None = None,
-            shares_prompt_with: Sequence | None = None) -> Sequence:
-        "Queue a request; its `Sequence`. `ValueError` if it could never run (too long, or too big for the whole cache)."
+            shares_prompt_with: Sequence | None = None, must_fit: bool = False) -> Sequence:
+        "Queue a request; its `Sequence`. `ValueError` if it could never run (too long, or too big for the whole cache), or if `must_fit` and prompt + max_tokens pass max_model_len."
         prompt = check_token_ids(prompt_token_ids)
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -202,7 +202,12 @@ class Scheduler:
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt)} tokens, but max_model_len is {self.max_model_len}: a "
                              "prompt must be shorter, to leave room for at least one generated token")
-        longest = min(len(prompt) + params.max_tokens, self.max_model_len)
+        asked = len(prompt) + (params.max_tokens or self.max_model_len)
+        if must_fit and asked > self.max_model_len:  # servers refuse what offline generation would cut short
+            raise ValueError(f"the model's context is max_model_len = {self.max_model_len} tokens, but the request "
+                             f"asks for {asked}: {len(prompt)} in the prompt and max_tokens = {params.max_tokens}; "
+                             f"lower max_tokens to at most {self.max_model_len - len(prompt)}, or shorten the prompt")
+        longest = min(asked, self.max_model_len)
         # subtle: the last generated token is never fed back, so at most longest - 1 tokens have K/V in the cache.
         need = self.block_manager.blocks_for(longest - 1)
         if need > self.block_manager.num_blocks:
@@ -337,7 +342,7 @@ class Scheduler:
         params, token = seq.sampling_params, seq.last_token
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             return "stop"
-        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_completion_tokens >= (params.max_tokens or self.max_model_len) or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 

@@ -265,7 +265,7 @@ class Sampler(nn.Module):
         sampled = (probs / noise.clamp_min_(1e-10)).argmax(dim=-1)
         return torch.where(greedy, greedy_tokens, sampled)
 
-# %% ../../nbs/05_layers.ipynb #b326e6d2
+# %% ../../nbs/05_layers.ipynb #16f2c0ce
 def apply_penalties(logits: torch.Tensor, output_token_ids: Sequence[Sequence[int]], presence_penalties,
                     frequency_penalties) -> torch.Tensor:
     "Logits `[B, V]` (float32) lowered, row i, by its presence penalty for each token generated so far and its frequency penalty per time."
@@ -279,7 +279,7 @@ def apply_penalties(logits: torch.Tensor, output_token_ids: Sequence[Sequence[in
     frequency = torch.as_tensor(frequency_penalties, dtype=torch.float32, device=logits.device)[:, None]
     return logits.float() - frequency * counts - presence * (counts > 0)
 
-# %% ../../nbs/05_layers.ipynb #f3afbc0e
+# %% ../../nbs/05_layers.ipynb #147add1f
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int | None]) -> list[dict[int, float] | None]:
     "Per row: `{token id: log-probability}` of its sampled token and its `num_top[i]` most likely tokens (None: not asked)."
     wanted = [i for i, k in enumerate(num_top) if k is not None]
