@@ -13,7 +13,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from .distributed import RankFailure
 from .engine.scheduler import SamplingParams
 from .llm import LLM, Request, RequestOutput, logger
 

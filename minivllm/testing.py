@@ -58,7 +58,7 @@ def make_tiny_checkpoint(path: str | Path, model_type: str = "qwen3", *, tie_wor
     model.save_pretrained(path)
     return Path(path)
 
-# %% ../nbs/18_testing.ipynb #2e806267
+# %% ../nbs/18_testing.ipynb #9570d09d
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
@@ -457,7 +457,7 @@ def leftover_segments(before: set[str], pid: int | None = None) -> list[str]:
             left.append(name)
     return left
 
-# %% ../nbs/18_testing.ipynb #d910348b
+# %% ../nbs/18_testing.ipynb #97d7e7ad
 class ServerProcess:
     "`minivllm serve ARGS` in a child process on a free loopback port; `url` once it listens; SIGTERM when the block ends."
     def __init__(self, *args: str, timeout_s: float = 180.0):
