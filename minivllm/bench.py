@@ -225,10 +225,13 @@ def _without_outputs(fields: list[tuple]) -> dict:
     return {k: v for k, v in fields if k != "first_outputs"}
 
 def main(argv: list[str] | None = None) -> int:
-    "`minivllm bench`: minivllm against transformers on one seeded workload (`minivllm bench allreduce`: the collectives)."
+    "`minivllm bench`: minivllm against transformers on one seeded workload (`bench allreduce`: the collectives; `bench serve`: a server under load)."
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["allreduce"]:
         return allreduce_main(argv[1:])
+    if argv[:1] == ["serve"]:  # notebook 14a: a server under load
+        from minivllm.bench_serve import main as serve_main
+        return serve_main(argv[1:])
     p = argparse.ArgumentParser(prog="minivllm bench", description=main.__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint folder (default: the packaged model)")
