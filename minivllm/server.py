@@ -30,8 +30,8 @@ from .llm import LLM, CompletionOutput, RequestOutput, _load_tokenizer, logger
 
 # %% auto #0
 __all__ = ['StreamOptions', 'SamplingFields', 'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'error_response',
-           'validation_message', 'usage', 'LogprobFormat', 'EngineCollector', 'ServerMetrics', 'RequestTimer',
-           'generate_all', 'build_app', 'bind_socket', 'serve']
+           'validation_message', 'usage', 'LogprobFormat', 'sse', 'OpenAIReply', 'EngineCollector', 'ServerMetrics',
+           'RequestTimer', 'generate_all', 'build_app', 'bind_socket', 'serve']
 
 # %% ../nbs/13b_server.ipynb #ebfbba7b
 class StreamOptions(BaseModel):
@@ -123,6 +123,78 @@ class LogprobFormat:
         return {"content": [record(t, d[t]) | {"top_logprobs": [record(u, lp) for u, lp in
                                                                 sorted(d.items(), key=lambda x: -x[1])[:k]]}
                             for t, d in zip(token_ids, logprobs)]}
+
+# %% ../nbs/13b_server.ipynb #43c136c9
+def sse(payload: dict) -> str:
+    "One server-sent event carrying `payload` as JSON."
+    return f"data: {json.dumps(payload)}\n\n"
+
+class OpenAIReply:
+    "One request's answer in OpenAI's shape, built from the engine's `(prompt index, delta)` pairs: whole, or chunk by chunk."
+    def __init__(self, model_name: str, chat: bool, params: SamplingParams, num_prompts: int, logprobs: LogprobFormat):
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.chat, self.n, self.k, self.num_prompts, self.logprobs = chat, params.n, params.logprobs, num_prompts, logprobs
+        self.head = {"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": int(time.time()), "model": model_name}
+        self.chars: dict[tuple, int] = {}  # per (prompt, completion): text given so far (completions' text offsets)
+        self.tokens: dict[tuple, int] = {}  # per (prompt, completion): tokens given so far
+        self.prompt_tokens: dict[int, int] = {}
+        self.finish_reasons: list[str] = []
+
+    def _choice(self, i: int, c: CompletionOutput) -> dict:
+        "The choice of prompt i's completion c (or of its delta), counting what it adds."
+        key = (i, c.index)
+        lp = None
+        if c.logprobs is not None:
+            lp = (self.logprobs.chat(c.token_ids, c.logprobs, self.k) if self.chat
+                  else self.logprobs.completion(c.token_ids, c.logprobs, self.k, self.chars.get(key, 0)))
+        self.chars[key] = self.chars.get(key, 0) + len(c.text or "")
+        self.tokens[key] = self.tokens.get(key, 0) + len(c.token_ids)
+        if c.finish_reason:
+            self.finish_reasons.append(c.finish_reason)
+        choice = {"index": i * self.n + c.index, "logprobs": lp, "finish_reason": c.finish_reason}
+        return choice if self.chat else choice | {"text": c.text or ""}
+
+    def _usage(self) -> dict:
+        return usage(sum(self.prompt_tokens.values()), sum(self.tokens.values()))
+
+    def chunk(self, i: int, delta: RequestOutput) -> str:
+        "The event of one delta: a choice for each completion with news."
+        self.prompt_tokens[i] = len(delta.prompt_token_ids)
+        choices = []
+        for c in delta.outputs:
+            choice = self._choice(i, c)
+            if self.chat:
+                choice["delta"] = {"content": c.text} if c.text else {}
+            choices.append(choice)
+        return sse(self.head | {"choices": choices})
+
+    def role_chunk(self) -> str:
+        "Chat's first event: each choice's role."
+        return sse(self.head | {"choices": [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                             "finish_reason": None} for j in range(self.num_prompts * self.n)]})
+
+    def usage_chunk(self) -> str:
+        "The last event before [DONE] when `stream_options.include_usage`: the token counts, no choices."
+        return sse(self.head | {"choices": [], "usage": self._usage()})
+
+    def whole(self, deltas: list[tuple[int, RequestOutput]]) -> dict:
+        "The whole answer: every completion's deltas joined into one choice."
+        parts: dict[tuple, CompletionOutput] = {}
+        for i, delta in deltas:
+            self.prompt_tokens[i] = len(delta.prompt_token_ids)
+            for c in delta.outputs:
+                p = parts.setdefault((i, c.index), CompletionOutput(c.index, "", [], None, None))
+                p.text += c.text or ""
+                p.token_ids += c.token_ids
+                p.logprobs = (p.logprobs or []) + c.logprobs if c.logprobs is not None else p.logprobs
+                p.finish_reason = c.finish_reason or p.finish_reason
+        choices = []
+        for (i, _), c in sorted(parts.items()):
+            choice = self._choice(i, c)
+            choices.append(choice | {"message": {"role": "assistant", "content": c.text}} if self.chat else choice)
+        kind = "chat.completion" if self.chat else "text_completion"
+        return self.head | {"object": kind, "choices": choices, "usage": self._usage()}
 
 # %% ../nbs/13b_server.ipynb #f4b5e8cd
 class EngineCollector:
@@ -247,88 +319,39 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tok
 
     async def respond(body: SamplingFields, prompts: list, params: SamplingParams, chat: bool):
         "Run the request and answer it whole or as a stream of server-sent events."
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        created, n = int(time.time()), params.n
-        timer = RequestTimer(metrics)
-        stream = generate_all(engine, prompts, params, request_id)
-        try:  # the first delta comes only once the engine has accepted every prompt: errors are still a 400
+        reply, timer = OpenAIReply(model_name, chat, params, len(prompts), logprob_format), RequestTimer(metrics)
+        stream = generate_all(engine, prompts, params, reply.id)
+        try:  # the first delta comes only once the engine has accepted the prompts: errors are still a 400
             first = await anext(stream)
+            deltas = [first] + [x async for x in stream] if not body.stream else None
         except (ValueError, TypeError) as e:
             await stream.aclose()
             return error_response(400, str(e))
-        except RuntimeError as e:
+        except RuntimeError as e:  # the engine has stopped
             await stream.aclose()
             return error_response(503, str(e), "server_error")
-        k = params.logprobs
-        def choice(i: int, c, offset: int = 0) -> dict:
-            index = i * n + c.index
-            lp = None
-            if c.logprobs is not None:
-                lp = (logprob_format.chat(c.token_ids, c.logprobs, k) if chat
-                      else logprob_format.completion(c.token_ids, c.logprobs, k, offset))
-            if chat:
-                return {"index": index, "logprobs": lp, "finish_reason": c.finish_reason}
-            return {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
-
-        if not body.stream:
-            texts, ids, lps, reasons, prompt_tokens = {}, {}, {}, {}, {}
-            async with contextlib.aclosing(stream):
-                for i, delta in [first] + [x async for x in stream]:
-                    timer.saw(delta)
-                    prompt_tokens[i] = len(delta.prompt_token_ids)
-                    for c in delta.outputs:
-                        key = (i, c.index)
-                        texts[key] = texts.get(key, "") + (c.text or "")
-                        ids.setdefault(key, []).extend(c.token_ids)
-                        if c.logprobs is not None: lps.setdefault(key, []).extend(c.logprobs)
-                        if c.finish_reason: reasons[key] = c.finish_reason
-            timer.done(list(reasons.values()))
-            choices = []
-            for key in sorted(texts.keys() | ids.keys()):
-                c = CompletionOutput(key[1], texts.get(key, ""), ids[key], reasons.get(key), lps.get(key))
-                entry = choice(key[0], c)
-                if chat:
-                    entry["message"] = {"role": "assistant", "content": c.text}
-                choices.append(entry)
-            return JSONResponse({"id": request_id, "object": "chat.completion" if chat else "text_completion",
-                                 "created": created, "model": model_name, "choices": choices,
-                                 "usage": usage(sum(prompt_tokens.values()), sum(len(v) for v in ids.values()))})
+        if deltas is not None:
+            for _, delta in deltas: timer.saw(delta)
+            answer = reply.whole(deltas)
+            timer.done(reply.finish_reasons)
+            return JSONResponse(answer)
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         async def events() -> AsyncIterator[str]:
-            kind = "chat.completion.chunk" if chat else "text_completion"
-            head = {"id": request_id, "object": kind, "created": created, "model": model_name}
-            offsets, counts, prompt_tokens, reasons = {}, {}, {}, []
-            if chat:  # OpenAI's first chunk of each choice gives the role
-                yield "data: " + json.dumps(head | {"choices": [
-                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None} for i in range(len(prompts) * n)]}) + "\n\n"
+            if chat:
+                yield reply.role_chunk()
             try:
                 async with contextlib.aclosing(stream):
-                    async def all_deltas():
-                        yield first
-                        async for x in stream: yield x
-                    async for i, delta in all_deltas():
+                    timer.saw(first[1])
+                    yield reply.chunk(*first)
+                    async for i, delta in stream:
                         timer.saw(delta)
-                        prompt_tokens[i] = len(delta.prompt_token_ids)
-                        choices = []
-                        for c in delta.outputs:
-                            key = (i, c.index)
-                            entry = choice(i, c, offsets.get(key, 0))
-                            offsets[key] = offsets.get(key, 0) + len(c.text or "")
-                            counts[key] = counts.get(key, 0) + len(c.token_ids)
-                            if c.finish_reason: reasons.append(c.finish_reason)
-                            if chat:
-                                entry["delta"] = {"content": c.text} if c.text else {}
-                            choices.append(entry)
-                        yield "data: " + json.dumps(head | {"choices": choices}) + "\n\n"
-                timer.done(reasons)
+                        yield reply.chunk(i, delta)
+                timer.done(reply.finish_reasons)
                 if include_usage:
-                    yield "data: " + json.dumps(head | {"choices": [], "usage": usage(
-                        sum(prompt_tokens.values()), sum(counts.values()))}) + "\n\n"
+                    yield reply.usage_chunk()
             except Exception as e:  # the engine stopped mid-stream: say so in the stream, then end it
-                yield "data: " + json.dumps({"error": {"message": str(e), "type": "server_error", "param": None,
-                                                       "code": None}}) + "\n\n"
+                yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
 

@@ -78,6 +78,20 @@ def test_sampling_parameters_reach_the_engine(tp2):
     assert penalised != plain
 
 
+def test_lists_of_prompts_and_chat_without_max_tokens(tp2):
+    c = client(tp2)
+    many = c.completions.create(model="tiny", prompt=["One", "Two", "Three"], n=2, max_tokens=3, temperature=0)
+    assert [ch.index for ch in many.choices] == list(range(6)) and many.usage.completion_tokens == 18
+    alone = c.completions.create(model="tiny", prompt="Two", max_tokens=3, temperature=0).choices[0].text
+    assert many.choices[2].text == many.choices[3].text == alone  # prompt 1's two greedy completions
+    with pytest.raises(openai.BadRequestError, match="out of range for a vocabulary"):
+        c.completions.create(model="tiny", prompt=[[1, 2], [3, 99999]], max_tokens=3)
+    chat = c.chat.completions.create(model="tiny", messages=HELLO, temperature=0,
+                                     extra_body={"stop_token_ids": [], "ignore_eos": True})
+    assert chat.choices[0].finish_reason == "length"  # no max_tokens: up to the context (256 tokens)
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 256
+
+
 def test_64_streaming_clients_at_once_each_get_the_greedy_text(tp2):
     prompts = [f"Client {i} says" for i in range(64)]
     body = {"model": "tiny", "max_tokens": 24, "temperature": 0, "ignore_eos": True}

@@ -202,7 +202,7 @@ class Scheduler:
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt)} tokens, but max_model_len is {self.max_model_len}: a "
                              "prompt must be shorter, to leave room for at least one generated token")
-        asked = len(prompt) + (params.max_tokens or self.max_model_len)
+        asked = len(prompt) + params.max_tokens if params.max_tokens is not None else self.max_model_len
         if must_fit and asked > self.max_model_len:  # servers refuse what offline generation would cut short
             raise ValueError(f"the model's context is max_model_len = {self.max_model_len} tokens, but the request "
                              f"asks for {asked}: {len(prompt)} in the prompt and max_tokens = {params.max_tokens}; "
