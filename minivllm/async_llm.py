@@ -97,10 +97,14 @@ class AsyncLLM:
         "Stop a request now (from any thread): it is aborted before the next step, and its KV blocks are freed."
         self._send("abort", request_id)
 
-    def close(self) -> None:
-        "Stop the engine thread, fail the requests still running, and close the LLM (its workers and shared memory). Idempotent."
+    def stop(self) -> None:
+        "Ask the engine thread to stop after its current step, failing the requests still running; returns at once."
         self._closing = True
         self._send("close")
+
+    def close(self) -> None:
+        "Stop the engine thread, fail the requests still running, and close the LLM (its workers and shared memory). Idempotent."
+        self.stop()
         if self._thread is not threading.current_thread():
             self._thread.join()
         self.llm.close()

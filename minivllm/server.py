@@ -124,7 +124,7 @@ class LogprobFormat:
                                                                 sorted(d.items(), key=lambda x: -x[1])[:k]]}
                             for t, d in zip(token_ids, logprobs)]}
 
-# %% ../nbs/13b_server.ipynb #43c136c9
+# %% ../nbs/13b_server.ipynb #8dceaf02
 def sse(payload: dict) -> str:
     "One server-sent event carrying `payload` as JSON."
     return f"data: {json.dumps(payload)}\n\n"
@@ -420,6 +420,16 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tok
 def _exit_on_sigterm(signum, frame):
     raise SystemExit(0)
 
+class _Server(uvicorn.Server):
+    "uvicorn's server that also stops the engine when a signal stops it, so that open streams end at once, not cut."
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame) -> None:
+        self.engine.stop()  # subtle: non-blocking (a signal handler); the streams get an error event and [DONE]
+        super().handle_exit(sig, frame)
+
 def bind_socket(host: str, port: int) -> socket.socket:
     "A listening TCP socket on `host:port` (port 0: a free one); `OSError` names the address if it is taken."
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -438,7 +448,7 @@ def serve(model: str | Path | None = None, tensor_parallel_size: int = 1, host: 
         engine = AsyncLLM(llm)
         name = served_model_name or (str(model) if model is not None else "minivllm-default")
         app = build_app(engine, name, api_key, _load_tokenizer(Path(llm.args.model)))
-        server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3))
+        server = _Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3), engine)
         shown = f"[{host}]" if ":" in host else host
         logger.info(f"serving {name!r} at http://{shown}:{sock.getsockname()[1]}/v1 (Ctrl-C or SIGTERM stops it)")
         signal.signal(signal.SIGTERM, _exit_on_sigterm)

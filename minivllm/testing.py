@@ -463,8 +463,9 @@ class ServerProcess:
     def __init__(self, *args: str, timeout_s: float = 180.0):
         import queue, re, subprocess, sys, threading
         self.log: list[str] = []  # everything the server wrote to stderr
+        # its own process group, so that a test can press Ctrl-C on the server alone (os.killpg), as a terminal does
         self.proc = subprocess.Popen([sys.executable, "-m", "minivllm", "serve", "--port", "0", *args],
-                                     stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+                                     stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint, start_new_session=True)
         lines: queue.Queue = queue.Queue()
         def drain():  # subtle: read stderr to the end, or a chatty server would block on a full pipe
             for line in self.proc.stderr:

@@ -2,6 +2,7 @@
 clients at once at TP=2, clients that drop mid-stream, bad requests, and SIGTERM leaving nothing behind."""
 import asyncio
 import json
+import os
 import signal
 
 import httpx
@@ -203,7 +204,8 @@ def test_the_packaged_model_serves_completions_and_refuses_chat_clearly():
         assert c.completions.create(model=name, prompt="JULIET.\n", max_tokens=3).usage.completion_tokens >= 1
 
 
-def test_sigterm_mid_stream_stops_the_server_and_leaves_nothing(chat_ckpt):
+@pytest.mark.parametrize("how, status", [("SIGTERM", 0), ("Ctrl-C", 130)])
+def test_a_signal_mid_stream_ends_the_stream_stops_the_server_and_leaves_nothing(chat_ckpt, how, status):
     server = ServerProcess("--model", str(chat_ckpt), "--tp", "2", "--max-model-len", "256")
     pid = server.proc.pid
     try:
@@ -214,7 +216,13 @@ def test_sigterm_mid_stream_stops_the_server_and_leaves_nothing(chat_ckpt):
                                 "ignore_eos": True}) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
-            assert server.stop(signal.SIGTERM) == 0
+            if how == "SIGTERM":
+                server.proc.send_signal(signal.SIGTERM)
+            else:  # a terminal's Ctrl-C reaches the whole process group: the server and its worker
+                os.killpg(pid, signal.SIGINT)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and "the engine has shut down" in rest[-2]  # ended, not cut
+        assert server.proc.wait(60) == status
     finally:
         server.stop(signal.SIGKILL)
     assert gone(pid) and all(gone(r) for r in ranks) and not shm_segments(pid), "".join(server.log)
