@@ -1,0 +1,109 @@
+"""What serving added to sampling, against plain references at TP=1 and 2: logprobs are the model's log-softmax
+(transformers'), penalties pick what a penalised argmax over transformers' logits picks, n samples share the
+prompt's blocks and are reproducible, stream deltas add up to generate, stop strings cut the text."""
+import pytest
+import torch
+import transformers
+
+from minivllm import LLM, SamplingParams
+from minivllm.testing import make_chat_checkpoint, make_tiny_checkpoint
+
+PROMPTS = [[5, 9, 2, 7, 1], [3] * 21, [8, 6, 4, 2, 250, 17, 33, 12, 90]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "qwen3", num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny):
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def chat_ckpt(tmp_path_factory):
+    return make_chat_checkpoint(tmp_path_factory.mktemp("chat"))
+
+
+@torch.no_grad()
+def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    "transformers' log-softmax at every position of `ids`."
+    return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_logprobs_are_the_models_log_softmax(tiny, hf, tp):
+    with LLM(tiny, tensor_parallel_size=tp, max_model_len=128) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3),
+                            use_tqdm=False)
+        plain = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for prompt, out, same in zip(PROMPTS, outs, plain):
+        assert out.token_ids == same.token_ids  # asking for logprobs changes no token
+        ref = hf_logprobs(hf, prompt + out.token_ids)
+        for j, (token, lps) in enumerate(zip(out.token_ids, out.outputs[0].logprobs)):
+            row = ref[len(prompt) - 1 + j]
+            assert set(lps) == set(row.topk(3).indices.tolist()) | {token}
+            got = torch.tensor([lps[t] for t in sorted(lps)])
+            torch.testing.assert_close(got, row[sorted(lps)], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_penalties_pick_the_penalised_argmax(tiny, hf, tp):
+    presence, frequency = 0.3, 0.7
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, presence_penalty=presence,
+                            frequency_penalty=frequency)
+    with LLM(tiny, tensor_parallel_size=tp, max_model_len=128) as llm:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ids, made = list(prompt), []
+        for _ in range(12):  # the plain reference: transformers' logits, minus the penalties, argmax
+            with torch.no_grad():
+                logits = hf(torch.tensor([ids])).logits[0, -1].float()
+            counts = torch.bincount(torch.tensor(made, dtype=torch.long), minlength=logits.numel()).float()
+            token = int((logits - frequency * counts - presence * (counts > 0)).argmax())
+            ids.append(token); made.append(token)
+        assert out.token_ids == made
+    assert len(set(outs[1].token_ids)) > 3  # the penalties really steered it off repeats
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_n_samples_share_the_prompt_blocks_and_are_reproducible(tiny, tp):
+    prompt = list(range(1, 41))  # 2 full blocks of 16, and 8 tokens more
+    params = SamplingParams(temperature=1.0, n=4, seed=3, max_tokens=10, ignore_eos=True)
+    with LLM(tiny, tensor_parallel_size=tp, max_model_len=128, kvcache_block_size=16) as llm:
+        hits = llm.scheduler.block_manager.prefix_cache_hit_tokens
+        out = llm.generate(prompt, params, use_tqdm=False)
+        assert llm.scheduler.block_manager.prefix_cache_hit_tokens - hits == 3 * 32  # the 3 later samples hit both
+        assert [c.index for c in out.outputs] == [0, 1, 2, 3] and len({tuple(c.token_ids) for c in out.outputs}) == 4
+        single = llm.generate(prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True),
+                              use_tqdm=False)
+        again = llm.generate(prompt, params, use_tqdm=False)
+    assert out.outputs[0].token_ids == single.token_ids
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    with LLM(tiny, max_model_len=128, kvcache_block_size=16) as tp1:
+        assert [c.token_ids for c in tp1.generate(prompt, params, use_tqdm=False).outputs] == \
+               [c.token_ids for c in out.outputs]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_stream_deltas_add_up_to_generate_and_stop_strings_cut(chat_ckpt, tp):
+    prompts = ["Once upon a time", "The king said", "Hello"]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=2)
+    with LLM(chat_ckpt, tensor_parallel_size=tp, max_model_len=128) as llm:
+        whole = llm.generate(prompts, params, use_tqdm=False)
+        texts, ids = {}, {}
+        for delta in llm.stream(prompts, params):
+            for c in delta.outputs:
+                key = (int(delta.request_id), c.index)
+                texts[key] = texts.get(key, "") + c.text
+                ids[key] = ids.get(key, []) + c.token_ids
+        assert texts == {(i, c.index): c.text for i, o in enumerate(whole) for c in o.outputs}
+        assert ids == {(i, c.index): c.token_ids for i, o in enumerate(whole) for c in o.outputs}
+        first = whole[0].text
+        stop = first[len(first) // 2:len(first) // 2 + 3]
+        cut = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]),
+                           use_tqdm=False)
+        assert (cut.text, cut.finish_reason) == (first[:first.index(stop)], "stop")
+        assert not llm.scheduler.running and llm.scheduler.block_manager.num_free_blocks == \
+               llm.scheduler.block_manager.num_blocks
