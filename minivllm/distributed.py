@@ -269,14 +269,21 @@ def default_backend() -> str:
     "`nccl` when CUDA is available, else `gloo`."
     return "nccl" if torch.cuda.is_available() else "gloo"
 
+def _torch_version() -> tuple[int, int]:
+    "PyTorch's (major, minor) version."
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
 def _store_server(host: str, port: int, world_size: int, listener: socket.socket | None,
                   timeout: timedelta) -> dist.TCPStore:
     "Rank 0's store, serving on `listener` (a socket listening on `host:port`), so it listens on that address only."
     listener = listener or listen_socket(host, port)
     port = listener.getsockname()[1]
+    # subtle: torch's libuv store takes over a listening socket only from 2.8 on (pytorch#150215); before, the
+    # classic store does (and torch 2.4-2.7 default to libuv, which refuses the socket)
+    classic = {"use_libuv": False} if _torch_version() < (2, 8) else {}
     try:  # subtle: the store takes over the socket's file descriptor and closes it when it is destroyed
         return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
-                             master_listen_fd=listener.detach())
+                             master_listen_fd=listener.detach(), **classic)
     finally:
         listener.close()
 

@@ -163,9 +163,11 @@ class Request:
     def update(self, i: int) -> bool:
         "Follow sequence i's new tokens; True if a stop string has just ended it (the engine then stops it)."
         seq, text = self.seqs[i], self.texts[i]
-        new = seq.completion_token_ids[self.seen[i]:]
+        if text is None or text.stopped:  # nothing to follow: generate() decodes the completion once, at the end
+            return False
+        new = seq.token_ids[seq.num_prompt_tokens + self.seen[i]:]
         self.seen[i] += len(new)
-        return text is not None and not text.stopped and text.add(new, finished=seq.is_finished)
+        return text.add(new, finished=seq.is_finished)
 
     def _finish_reason(self, i: int) -> str | None:
         seq, text = self.seqs[i], self.texts[i]
