@@ -39,7 +39,7 @@ class StreamOptions(BaseModel):
 
 class SamplingFields(BaseModel):
     "What completions and chat completions share: the model's name, sampling, stopping, streaming."
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore")  # fields we do not implement (user, ...) are accepted and ignored
     model: str
     temperature: float = 1.0
     top_p: float = 1.0
