@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 import signal
 import socket
@@ -436,7 +437,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     try:
         return socket.create_server((host, port), family=family)
     except OSError as e:
-        raise OSError(f"cannot listen on {host}:{port} ({e.strerror}): choose another --port or --host") from None
+        raise OSError(f"cannot listen on {host}:{port} ({os.strerror(e.errno) if e.errno else e}): choose another "
+                      "--port or --host") from None
 
 def serve(model: str | Path | None = None, tensor_parallel_size: int = 1, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, served_model_name: str | None = None, log_level: str = "warning",

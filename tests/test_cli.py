@@ -5,6 +5,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -54,7 +55,13 @@ def bad_inputs(tmp_path_factory):
     weights = corrupt / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     tiny = make_tiny_checkpoint(root / "tiny")
-    return {
+    taken = socket.create_server(("127.0.0.1", 0))  # a port in use, held until the module's tests are done
+    yield {
+        "serve: missing folder": (["serve", "--model", str(root / "nowhere")], "does not exist"),
+        "serve: tp 3 for 4 heads": (["serve", "--tp", "3"], "tensor_parallel_size=3 does not divide"),
+        "serve: port out of range": (["serve", "--port", "70000"], "--port must be from 0 to 65535"),
+        "serve: port in use": (["serve", "--port", str(taken.getsockname()[1])], "Address already in use): choose "
+                                                                                   "another --port"),
         "missing folder": (["generate", "hi", "--model", str(root / "nowhere")], "does not exist"),
         "hub id not cached": (["generate", "hi", "--model", "org/not-cached"], "is not in the local cache"),
         "config not an object": (["generate", "hi", "--model", str(not_an_object)], "must hold a JSON object"),
@@ -65,11 +72,14 @@ def bad_inputs(tmp_path_factory):
         "no tokenizer": (["generate", "hi", "--model", str(tiny)], "has no tokenizer"),
         "usage error": (["generate", "hi", "--tp", "two"], "invalid int value"),
     }
+    taken.close()
 
 
-CASES = ["missing folder", "hub id not cached", "config not an object", "tp 3 for 4 heads", "negative temperature",
+CASES = ["serve: missing folder", "serve: tp 3 for 4 heads", "serve: port out of range", "serve: port in use",
+         "missing folder", "hub id not cached", "config not an object", "tp 3 for 4 heads", "negative temperature",
          "corrupt safetensors", "chat without template", "no tokenizer", "usage error"]
-CHILD_CASES = ["missing folder", "config not an object", "tp 3 for 4 heads", "negative temperature", "corrupt safetensors",
+CHILD_CASES = ["serve: missing folder", "serve: tp 3 for 4 heads", "serve: port out of range", "serve: port in use",
+         "missing folder", "config not an object", "tp 3 for 4 heads", "negative temperature", "corrupt safetensors",
                "chat without template"]
 
 
