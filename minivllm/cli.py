@@ -19,7 +19,7 @@ from .engine.scheduler import SamplingParams
 from .llm import DEFAULT_MODEL, LLM
 
 # %% auto #0
-__all__ = ['TOKENIZER_FILES', 'USER_ERRORS', 'check_tokenizer', 'OneLineErrorParser', 'make_parser', 'main']
+__all__ = ['TOKENIZER_FILES', 'USER_ERRORS', 'check_tokenizer', 'OneLineErrorParser', 'add_node_options', 'make_parser', 'main']
 
 # %% ../nbs/15_cli.ipynb #d81c6a1f
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # any one of them: a tokenizer
@@ -43,6 +43,17 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 _SAMPLING_NOTE = ("The sampling defaults differ from SamplingParams' (temperature 1.0, top_p 1.0): 0.8 and 0.95 make "
                   "the packaged model's text read better. Pass --temperature 1 --top-p 1 for SamplingParams' defaults.")
+
+def add_node_options(p: argparse.ArgumentParser) -> None:
+    "The options that spread an engine's ranks over several machines (notebook 10a), named as torchrun names them."
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="machines to spread the --tp ranks over, --tp/--nnodes on each; start `minivllm worker` on "
+                        "the others (default: %(default)s)")
+    p.add_argument("--master-addr", default="127.0.0.1",
+                   help="with --nnodes > 1: this machine's address that the others reach; the rendezvous listens "
+                        "there only (default: %(default)s, this machine only)")
+    p.add_argument("--master-port", type=int, default=0,
+                   help="the rendezvous' port, 0 = any free one, printed for the other machines (default: %(default)s)")
 
 def make_parser() -> argparse.ArgumentParser:
     "The `minivllm` command line's parser."
@@ -81,6 +92,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="wrap each prompt in the model's chat template and print only the reply (default: off)")
     g.add_argument("--quiet", action="store_true",
                    help="no progress bar and no engine notices on stderr (default: off)")
+    add_node_options(g)
     s = sub.add_parser("serve", help="serve a model over OpenAI's API (completions, chat, streaming)",
                        description="Serve a model over OpenAI's API until Ctrl-C or SIGTERM: POST /v1/completions, "
                                    "POST /v1/chat/completions, GET /v1/models, /health and /metrics (notebook 13b).")
@@ -101,6 +113,20 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=256, help="the most requests in one batch (default: %(default)s)")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level; info logs every request (default: %(default)s)")
+    add_node_options(s)
+    w = sub.add_parser("worker", help="serve an engine's ranks on this machine (several machines: notebook 10a)",
+                       description="Start this machine's ranks of an engine started elsewhere with --nnodes, and "
+                                   "serve them until that engine closes.")
+    w.add_argument("--master-addr", required=True, help="the engine's --master-addr")
+    w.add_argument("--master-port", type=int, required=True, help="the engine's --master-port")
+    w.add_argument("--node-rank", type=int, required=True, help="this machine's number, 1..nnodes-1")
+    w.add_argument("--nnodes", type=int, default=None, help="checked against the engine's (default: the engine's)")
+    w.add_argument("--node-addr", default=None,
+                   help="this machine's address that the others reach (default: the one routing to --master-addr)")
+    w.add_argument("--model", default=None,
+                   help="this machine's copy of the checkpoint folder (default: the engine's path)")
+    w.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds to wait for the engine to answer (default: %(default)s)")
     # subtle: listed for --help only; main() hands `bench ...` to minivllm.bench unparsed: it has its own options
     b = sub.add_parser("bench", add_help=False,
                        help="throughput benchmark against transformers (minivllm bench --help)")
@@ -121,7 +147,8 @@ def _generate_command(a: argparse.Namespace) -> int:
     if a.quiet:
         engine_logger.setLevel(logging.WARNING)
     try:
-        with LLM(folder, tensor_parallel_size=a.tp, dtype=a.dtype, max_model_len=a.max_model_len) as llm:
+        with LLM(folder, tensor_parallel_size=a.tp, dtype=a.dtype, max_model_len=a.max_model_len,
+                 **_node_kwargs(a)) as llm:
             prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in a.prompts] if a.chat else a.prompts
             outputs = llm.generate(prompts, params, use_tqdm=not a.quiet)
     finally:
@@ -142,8 +169,23 @@ def _serve_command(a: argparse.Namespace) -> int:
         Config.from_pretrained(folder, tensor_parallel_size=a.tp, dtype=a.dtype)
     serve(folder if a.model is not None else None, a.tp, a.host, a.port, a.api_key or os.environ.get("MINIVLLM_API_KEY"),
           a.served_model_name or a.model, a.log_level, dtype=a.dtype, max_model_len=a.max_model_len,
-          max_num_seqs=a.max_num_seqs)
+          max_num_seqs=a.max_num_seqs, **_node_kwargs(a))
     return 0
+
+def _node_kwargs(a: argparse.Namespace) -> dict:
+    "The engine's arguments for spreading its ranks over several machines (EngineArgs checks them)."
+    return dict(nnodes=a.nnodes, master_addr=a.master_addr, master_port=a.master_port)
+
+def _worker_command(a: argparse.Namespace) -> int:
+    "`minivllm worker`: serve this machine's ranks of an engine started with --nnodes, until it closes."
+    from minivllm.engine.model_runner import ModelRunner
+    from minivllm.engine.multinode import run_node
+    if not 1 <= a.master_port <= 65535:
+        raise ValueError(f"--master-port must be from 1 to 65535 (the engine prints it), got {a.master_port}")
+    model = str(resolve_model(a.model)) if a.model is not None else None
+    log = lambda line: print(f"minivllm: {line}", file=sys.stderr, flush=True)
+    return run_node(a.master_addr, a.master_port, a.node_rank, ModelRunner, nnodes=a.nnodes, node_addr=a.node_addr,
+                    model=model, timeout_s=a.timeout, log=log)
 
 # the errors a user can cause; OSError covers FileNotFoundError, NotADirectoryError, PermissionError
 USER_ERRORS = (ValueError, TypeError, OSError, RankFailure, RuntimeError)
@@ -164,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             args = make_parser().parse_args(argv)
         except SystemExit as e:  # --help, --version, or a usage error (already printed in one line)
             return e.code if isinstance(e.code, int) else 0
-        return _serve_command(args) if args.command == "serve" else _generate_command(args)
+        commands = {"serve": _serve_command, "worker": _worker_command, "generate": _generate_command}
+        return commands[args.command](args)
     except USER_ERRORS as e:
         print(f"minivllm: error: {_one_line(e)}", file=sys.stderr)
         return 2

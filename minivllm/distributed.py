@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 # %% auto #0
 __all__ = ['divide', 'Communicator', 'CountingCommunicator', 'describe_exit', 'RankProcess', 'free_port', 'listen_socket',
-           'RankFailure', 'process_state', 'PeerWatch', 'default_backend', 'ProcessGroupCommunicator', 'run_on_ranks']
+           'RankFailure', 'process_state', 'PeerWatch', 'default_backend', 'store_server', 'ProcessGroupCommunicator',
+           'run_on_ranks']
 
 # %% ../nbs/01_distributed.ipynb #aff03d8a
 def divide(numerator: int, denominator: int, what: str = "value") -> int:
@@ -243,8 +244,9 @@ def process_state(pid: int) -> str:
 class PeerWatch:
     "Raise `RankFailure` when a peer's process has died, or has been stopped for `stopped_grace_s` seconds."
     def __init__(self, pids: dict[int, int], peers_alive: Callable[[], None] | None = None,
-                 stopped_grace_s: float = 3.0):
+                 stopped_grace_s: float = 3.0, settle_s: float = 0.2):
         self.pids, self.peers_alive, self.stopped_grace_s = dict(pids), peers_alive, stopped_grace_s
+        self.settle_s = settle_s  # how long a failed collective keeps asking `check` for its cause
         self._stopped_since: dict[int, float] = {}
 
     def check(self) -> None:
@@ -273,7 +275,7 @@ def _torch_version() -> tuple[int, int]:
     "PyTorch's (major, minor) version."
     return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
-def _store_server(host: str, port: int, world_size: int, listener: socket.socket | None,
+def store_server(host: str, port: int, world_size: int, listener: socket.socket | None,
                   timeout: timedelta) -> dist.TCPStore:
     "Rank 0's store, serving on `listener` (a socket listening on `host:port`), so it listens on that address only."
     listener = listener or listen_socket(host, port)
@@ -288,9 +290,9 @@ def _store_server(host: str, port: int, world_size: int, listener: socket.socket
         listener.close()
 
 def _rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float,
-                peers_alive: Callable[[], None] | None) -> dict[int, tuple[str, int]]:
-    "Wait until every rank has joined `store` (rank 0 checking `peers_alive` meanwhile); each rank's (host, pid)."
-    store.set(f"joined/{rank}", f"{socket.gethostname()} {os.getpid()}")
+                peers_alive: Callable[[], None] | None, node: str | None = None) -> dict[int, tuple[str, int]]:
+    "Wait until every rank has joined `store` (checking `peers_alive` meanwhile); each rank's (node, pid), the node being its host name unless given."
+    store.set(f"joined/{rank}", f"{node or socket.gethostname()} {os.getpid()}")
     keys = [f"joined/{r}" for r in range(world_size)]
     # subtle: a plain `store.wait` blocks inside C++ until the timeout, so a rank that died before joining
     # would cost the whole timeout. We poll in short slices and ask `peers_alive` in between.
@@ -304,7 +306,7 @@ def _rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float,
             raise RankFailure(f"only {joined} of {world_size} ranks joined the process group within {timeout_s} s")
     ranks = {}
     for r in range(world_size):
-        host, pid = store.get(f"joined/{r}").decode().split()
+        host, pid = store.get(f"joined/{r}").decode().rsplit(" ", 1)
         ranks[r] = (host, int(pid))
     return ranks
 
@@ -315,17 +317,25 @@ class ProcessGroupCommunicator(Communicator):
                  timeout_s: float = 300.0):
         super().__init__(rank, world_size)
         self.cpu_group, self.device_group, self.watch, self.timeout_s = cpu_group, device_group, watch, timeout_s
+        self.nodes: dict[int, str] = {}  # rank -> the name of its machine, once connected
+        self.address: str | None = None  # the address this rank's gloo listens on, once connected
 
     @classmethod
     def connect(cls, rank: int | None = None, world_size: int | None = None, port: int | None = None, *,
                 listener: socket.socket | None = None, host: str = "127.0.0.1", backend: str | None = None,
                 timeout_s: float = 300.0, peers_alive: Callable[[], None] | None = None,
+                store: dist.Store | None = None, bind: str | None = None, node: str | None = None,
                 **options) -> ProcessGroupCommunicator:
         "Join a new group of `world_size` ranks meeting at `host:port` (rank 0 serves it, on `listener` if given); with no arguments, torchrun's variables. `options` go to `_setup`."
+        # `store`: a rendezvous store the caller made (and keeps); `bind`: the address this rank's gloo listens on
+        # (default `host`); `node`: the name of this rank's machine (default its host name)
         backend = backend or default_backend()
         timeout = timedelta(seconds=timeout_s)
-        env_launch = rank is None and world_size is None and port is None and listener is None
-        if env_launch:  # started by torchrun or a similar launcher
+        env_launch = rank is None and world_size is None and port is None and listener is None and store is None
+        if store is not None:
+            if not (type(world_size) is int and world_size >= 1 and type(rank) is int and 0 <= rank < world_size):
+                raise ValueError(f"rank={rank!r} is outside 0..{world_size!r} - 1: pass rank= and world_size= with store=")
+        elif env_launch:  # started by torchrun or a similar launcher
             missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in os.environ]
             if missing:
                 raise ValueError(f"connect() without arguments needs the environment variables {missing} (as torchrun "
@@ -340,8 +350,9 @@ class ProcessGroupCommunicator(Communicator):
             if listener is not None and rank != 0:
                 raise ValueError("only rank 0 serves the rendezvous: pass listener= to rank 0 only")
             port = listener.getsockname()[1] if listener is not None else port
-            store = (_store_server(host, port, world_size, listener, timeout) if rank == 0
+            store = (store_server(host, port, world_size, listener, timeout) if rank == 0
                      else dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout))
+        bind = bind or host
         if backend == "nccl":
             local_rank = int(os.environ.get("LOCAL_RANK", rank))
             if local_rank >= torch.cuda.device_count():
@@ -349,7 +360,7 @@ class ProcessGroupCommunicator(Communicator):
                                  "are visible: lower tensor_parallel_size or use backend='gloo'")
             torch.cuda.set_device(local_rank)
         try:
-            return cls._join(store, rank, world_size, host, env_launch, backend, timeout_s, peers_alive, options)
+            return cls._join(store, rank, world_size, bind, node, env_launch, backend, timeout_s, peers_alive, options)
         except BaseException as e:
             # subtle: a failed start must let go of its sockets now (rank 0's store listens on the port), not when
             # the traceback that references the store from the frames below is dropped: clear those frames' locals.
@@ -359,11 +370,11 @@ class ProcessGroupCommunicator(Communicator):
             del store
 
     @classmethod
-    def _join(cls, store, rank, world_size, host, env_launch, backend, timeout_s, peers_alive, options) -> ProcessGroupCommunicator:
+    def _join(cls, store, rank, world_size, bind, node, env_launch, backend, timeout_s, peers_alive, options) -> ProcessGroupCommunicator:
         "The rest of `connect` once the store is up: rendezvous, process groups, set-up, and a first barrier."
         timeout = timedelta(seconds=timeout_s)
-        ranks = _rendezvous(store, rank, world_size, timeout_s, peers_alive if rank == 0 else None)
-        here = socket.gethostname()
+        ranks = _rendezvous(store, rank, world_size, timeout_s, peers_alive, node)
+        here = node or socket.gethostname()
         watch = PeerWatch({r: pid for r, (h, pid) in ranks.items() if r != rank and h == here}, peers_alive)
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
@@ -371,7 +382,7 @@ class ProcessGroupCommunicator(Communicator):
         if env_launch and not os.environ["MASTER_ADDR"].startswith(("127.", "localhost")):
             opts._devices = [dist.ProcessGroupGloo.create_default_device()]  # several hosts: this host's own address
         else:
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1" if env_launch else host)]
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1" if env_launch else bind)]
         cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, opts)
         device_group = None
         if backend == "nccl":
@@ -379,6 +390,7 @@ class ProcessGroupCommunicator(Communicator):
             nccl_opts._timeout = timeout
             device_group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world_size, nccl_opts)
         comm = cls(rank, world_size, cpu_group, device_group, watch, timeout_s)
+        comm.nodes, comm.address = {r: h for r, (h, _) in ranks.items()}, bind
         try:
             comm._setup(store, **options)
             comm.barrier()  # subtle: nobody still reads the store when rank 0's copy (the server) goes away
@@ -417,8 +429,10 @@ class ProcessGroupCommunicator(Communicator):
             work.wait()
         except RuntimeError as e:  # a peer went away mid-collective: name it if we can
             if self.watch is not None:
-                time.sleep(0.2)
-                self.watch.check()
+                settled = time.monotonic() + self.watch.settle_s
+                while time.monotonic() < settled:
+                    time.sleep(0.1)
+                    self.watch.check()
             raise RankFailure(f"rank {self.rank}: {what} failed: {e}") from e
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import importlib.resources
 import logging
+import pickle
 import sys
 import time
 import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
+from datetime import timedelta
 from typing import Iterable, Iterator, Sequence as Seq
 
 import transformers
@@ -20,9 +22,10 @@ from tqdm.auto import tqdm
 from fastcore.basics import patch
 
 from .config import check_token_ids, is_int, resolve_model
-from .distributed import RankFailure, listen_socket
+from .distributed import RankFailure, listen_socket, store_server
 from .engine.block_manager import BlockManager
 from .engine.ipc import ShmCommandChannel
+from .engine.multinode import GlooCommandChannel, HeartbeatMonitor, NodeLayout, command_group
 from .engine.model_runner import EngineArgs, ModelRunner, run_batch
 from .engine.scheduler import SamplingParams, Scheduler, Sequence
 
@@ -86,14 +89,61 @@ def _load_tokenizer(path: Path):
     return transformers.AutoTokenizer.from_pretrained(path)
 
 def _shutdown(state: dict) -> None:
-    "Stop the workers, then leave rank 0's process group: every exit path of an `LLM` ends here, once."
-    channel, runner = state.pop("channel", None), state.pop("runner", None)
+    "Stop the workers (the other machines' first), then leave rank 0's process group: every exit path of an `LLM` ends here, once."
+    remote, channel, runner = state.pop("remote", None), state.pop("channel", None), state.pop("runner", None)
     try:
+        if remote is not None:
+            remote.close()
         if channel is not None:
             channel.close()
     finally:
         if runner is not None:
             runner.exit()
+        state.pop("store", None)  # rank 0's rendezvous store (several machines): its ranks there see it go, and exit
+
+def _start_ranks(state: dict, args: EngineArgs) -> EngineArgs:
+    "Start the engine's ranks into `state`: rank 0's runner, this machine's workers behind shared memory, and (nnodes > 1) wait for the other machines'."
+    if args.tensor_parallel_size == 1:
+        state["runner"] = ModelRunner(0, args)
+        return args
+    layout = NodeLayout(args.tensor_parallel_size, args.nnodes)
+    try:  # the rendezvous listens before any rank starts: they connect to its port
+        listener = listen_socket(args.master_addr, args.master_port)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {args.master_addr}:{args.master_port} ({e.strerror or e}): name an address "
+                         "of this machine that the other machines reach (`ip -brief address` lists them), and a "
+                         "free port") from None
+    store = monitor = None
+    try:
+        port = listener.getsockname()[1]
+        if args.nnodes > 1:  # the other machines read the engine's arguments from the store, and beat in it
+            args = replace(args, master_port=port)
+            store = state["store"] = store_server(args.master_addr, port, args.tensor_parallel_size, listener,
+                                                  timedelta(seconds=args.timeout_s))
+            store.set("engine/args", pickle.dumps(args))
+            monitor = HeartbeatMonitor(store, layout.remote_ranks)
+            others = "node 1" if args.nnodes == 2 else f"nodes 1-{args.nnodes - 1}"
+            logger.info(f"waiting for {others} to join: on each, run `minivllm worker --master-addr {args.master_addr} "
+                        f"--master-port {port} --node-rank N`")
+        channel = None
+        if layout.ranks_per_node > 1:
+            channel = state["channel"] = ShmCommandChannel(layout.ranks_per_node - 1)
+            channel.start_workers(ModelRunner, args, port)
+
+        def peers_alive() -> None:
+            if channel is not None: channel.check()
+            if monitor is not None: monitor.check()
+
+        runner = state["runner"] = ModelRunner(0, args, peers_alive=peers_alive,
+                                               listener=listener if store is None else None, store=store)
+        if store is not None:
+            group = command_group(store, 0, len(layout.remote_ranks) + 1, args.master_addr)
+            state["remote"] = GlooCommandChannel(group, monitor, timeout_s=args.timeout_s)
+        if runner.threads is not None and channel is not None:  # the workers' CPU time is the engine's, not load
+            runner.threads.pids |= {p.pid for p in channel.processes.values()}
+    finally:
+        listener.close()
+    return args
 
 # %% ../nbs/13_llm.ipynb #f7f8de9d
 class IncrementalDetokenizer:
@@ -228,22 +278,11 @@ class LLM:
         self._state: dict = {}
         self._requests: dict[int, tuple[Request, int]] = {}  # live sequence id -> (its request, its index there)
         self._finalizer = weakref.finalize(self, _shutdown, self._state)
-        listener = None
         try:
-            if tensor_parallel_size == 1:
-                self._state["runner"] = ModelRunner(0, args)
-            else:  # the rendezvous listens (on loopback) before the workers start: they connect to its port
-                listener = listen_socket()
-                channel = self._state["channel"] = ShmCommandChannel(tensor_parallel_size - 1)
-                channel.start_workers(ModelRunner, args, listener.getsockname()[1])
-                self._state["runner"] = ModelRunner(0, args, peers_alive=channel.check, listener=listener)
-                if self.runner.threads is not None:  # the workers' CPU time is the engine's, not load from elsewhere
-                    self.runner.threads.pids |= {p.pid for p in channel.processes.values()}
+            self.args = args = _start_ranks(self._state, args)
         except BaseException:
             self.close()
             raise
-        finally:
-            if listener is not None: listener.close()
         self.scheduler = Scheduler(BlockManager(self.runner.num_blocks, args.kvcache_block_size), args.max_num_seqs,
                                    args.max_num_batched_tokens, args.max_model_len, self.config.eos_token_ids)
         if args.device == "cpu" and not enforce_eager and not _told_eager:
@@ -259,8 +298,13 @@ class LLM:
 
     @property
     def channel(self) -> ShmCommandChannel | None:
-        "The command channel to the worker ranks (None at tensor_parallel_size=1)."
+        "The command channel to the worker ranks on this machine (None when there are none)."
         return self._state.get("channel")
+
+    @property
+    def remote(self) -> GlooCommandChannel | None:
+        "The command channel to the ranks on other machines (None with one machine)."
+        return self._state.get("remote")
 
     @property
     def closed(self) -> bool: return "runner" not in self._state
@@ -327,13 +371,14 @@ def abort_request(self: LLM, request: Request) -> None:
 @patch
 def _worker_failure(self: LLM, patience_s: float = 5.0) -> RankFailure | None:
     "The failure of a worker, if one has failed (waiting up to `patience_s` for a dying worker to be seen dead)."
-    channel = self.channel
-    if channel is None or channel.closed:
+    # subtle: the other machines first: a local worker's failed collective is often a symptom of a machine gone
+    channels = [c for c in (self.remote, self.channel) if c is not None and not c.closed]
+    if not channels:
         return None
     deadline = time.monotonic() + patience_s
     while True:
         try:
-            channel.check()
+            for channel in channels: channel.check()
         except RankFailure as failure:
             return failure
         if time.monotonic() > deadline:
@@ -344,10 +389,10 @@ def _worker_failure(self: LLM, patience_s: float = 5.0) -> RankFailure | None:
 def step(self: LLM) -> tuple[list[Sequence], dict]:
     "Schedule and compute one batch; the sequences it finished, and its stats (kind, tokens, seconds, sequence ids)."
     start = time.perf_counter()
-    runner, channel = self.runner, self.channel  # raises if the engine is closed
+    runner, channel, remote = self.runner, self.channel, self.remote  # raises if the engine is closed
     batch = self.scheduler.schedule()
     try:
-        output = run_batch(batch, runner, channel)  # notebook 11's step; what follows is what a long-lived engine adds
+        output = run_batch(batch, runner, channel, remote)  # notebook 11's step; what follows is what a long-lived engine adds
     except BaseException as e:
         failure = self._worker_failure() if isinstance(e, Exception) else None
         self.close()

@@ -32,7 +32,7 @@ __all__ = ['CHAT_TEMPLATE', 'ATTENTION_TOL', 'FAKE_VOCAB', 'make_tiny_checkpoint
            'scattered_block_tables', 'tiny_store_inputs', 'PagedCase', 'check_prefill_then_decode', 'check_invariants',
            'next_token', 'FakeRunner', 'reference_tokens', 'check_batch', 'step_states', 'run_scheduler',
            'InterruptedAfterOneStep', 'Recorder', 'records', 'gone', 'wait_until', 'default_sigint', 'rank_processes',
-           'shm_segments', 'leftover_segments', 'ServerProcess']
+           'shm_segments', 'leftover_segments', 'ServerProcess', 'WorkerNode', 'tcp_listeners']
 
 # %% ../nbs/18_testing.ipynb #ea55be3c
 def make_tiny_checkpoint(path: str | Path, model_type: str = "qwen3", *, tie_word_embeddings: bool = False,
@@ -494,3 +494,50 @@ class ServerProcess:
     def __exit__(self, *exc):
         try: self.stop()
         except Exception: self.stop(signal.SIGKILL)
+
+# %% ../nbs/18_testing.ipynb #425472c7
+class WorkerNode:
+    "`minivllm worker` for node `node_rank` of the engine at `master_addr:master_port`, in its own process group; stopped when the block ends."
+    def __init__(self, master_addr: str, master_port: int, node_rank: int = 1, *args: str, prefix: tuple = ()):
+        import subprocess, sys, threading
+        self.log: list[str] = []  # everything the agent and its ranks wrote to stderr
+        cmd = [*prefix, sys.executable, "-m", "minivllm", "worker", "--master-addr", master_addr,
+               "--master-port", str(master_port), "--node-rank", str(node_rank), *args]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        def drain():  # subtle: read stderr to the end, or chatty ranks would block on a full pipe
+            for line in self.proc.stderr: self.log.append(line.rstrip())
+        self._drain = threading.Thread(target=drain, daemon=True)
+        self._drain.start()
+
+    @property
+    def ranks(self) -> list[int]:
+        "Pids of the node's live rank processes (the agent's children)."
+        return rank_processes(self.proc.pid)
+
+    def kill(self) -> None:
+        "Take the machine away: SIGKILL to the agent and its ranks at once."
+        try: os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError: pass
+
+    def wait(self, timeout_s: float = 60.0) -> int:
+        "The agent's exit code, once it has ended (and its stderr is read)."
+        code = self.proc.wait(timeout_s)
+        self._drain.join(5)
+        return code
+
+    def __enter__(self): return self
+    def __exit__(self, *exc):
+        import subprocess
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.proc.wait(10)
+        self._drain.join(5)
+
+def tcp_listeners(pids: list[int], netns: str | None = None) -> list[str]:
+    "The local addresses on which these processes listen for TCP connections (`ss -ltnp`, in network namespace `netns` if given)."
+    import subprocess
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    out = subprocess.run([*prefix, "ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[3] for line in out.splitlines() if any(f"pid={pid}," in line for pid in pids)]

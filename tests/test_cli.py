@@ -18,7 +18,7 @@ from minivllm.llm import DEFAULT_MODEL
 from minivllm.testing import default_sigint, gone, make_tiny_checkpoint, rank_processes, wait_until
 
 OPTIONS = ("--model", "--tp", "--max-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--ignore-eos", "--dtype",
-           "--max-model-len", "--chat", "--quiet")
+           "--max-model-len", "--chat", "--quiet", "--nnodes", "--master-addr", "--master-port")
 
 
 @pytest.fixture(scope="module")

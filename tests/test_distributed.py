@@ -16,7 +16,7 @@ import torch
 from minivllm.distributed import (Communicator, CountingCommunicator, ProcessGroupCommunicator, RankFailure,
                                   RankProcess, divide, free_port, listen_socket, process_state, run_on_ranks)
 
-from minivllm.testing import rank_processes
+from minivllm.testing import rank_processes, tcp_listeners
 
 
 def collectives(comm):
@@ -177,15 +177,9 @@ def test_two_groups_side_by_side():
         torch.testing.assert_close(results[key]["reduced"], torch.full((2, 3), 3.0))
 
 
-def listeners(pid: int) -> list[str]:
-    "The local addresses on which `pid` listens for TCP connections (from `ss -ltnp`)."
-    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
-    return [line.split()[3] for line in out.splitlines() if f"pid={pid}," in line]
-
-
 def addresses_of_the_group(comm):
     "Every rank's TCP listeners, while the group is up."
-    return comm_gather_strings(comm, listeners(os.getpid()))
+    return comm_gather_strings(comm, tcp_listeners([os.getpid()]))
 
 
 def comm_gather_strings(comm, strings):

@@ -17,7 +17,8 @@ import transformers
 
 from minivllm import LLM, SamplingParams
 from minivllm.distributed import RankFailure
-from minivllm.testing import InterruptedAfterOneStep, default_sigint, gone, make_tiny_checkpoint, shm_segments, wait_until
+from minivllm.testing import (InterruptedAfterOneStep, default_sigint, gone, make_tiny_checkpoint, shm_segments, tcp_listeners,
+                              wait_until)
 
 SHM = Path("/dev/shm")
 MAX_TOKENS = 16
@@ -358,12 +359,6 @@ def test_engines_of_different_sizes_take_turns_in_one_process(tiny):
         reference = [o.token_ids for o in b.generate(prompts, params, use_tqdm=False)]
         for llm in (a, b, c, a, c, b):
             assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == reference
-
-
-def tcp_listeners(pids: list[int]) -> list[str]:
-    "The local addresses on which these processes listen for TCP connections (`ss -ltnp`)."
-    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
-    return [line.split()[3] for line in out.splitlines() if any(f"pid={pid}," in line for pid in pids)]
 
 
 @pytest.mark.skipif(subprocess.run(["which", "ss"], capture_output=True).returncode != 0, reason="needs ss (iproute2)")

@@ -18,7 +18,9 @@ import socket
 import torch
 
 from ..config import Config, check_positive_int, is_int
+from ..distributed import ProcessGroupCommunicator
 from ..shm_allreduce import make_communicator
+from .multinode import STALE_S, NodeLayout, node_label
 from .scheduler import ScheduledBatch, Scheduler, context_lengths, token_positions
 from ..kv_cache import allocate_kv_cache, cpu_decode_kernel, decode_metadata, kv_cache_bytes_per_block, prefill_metadata
 from ..layers.common import GREEDY_TEMPERATURE, Sampler, apply_penalties, token_logprobs
@@ -49,6 +51,9 @@ class EngineArgs:
     num_kvcache_blocks: int | None = None  # exactly this many blocks (tests use it to force preemption)
     timeout_s: float = 300.0  # how long a rank waits for the others in a collective before giving up
     num_threads: int | None = None  # CPU: intra-op threads per rank; None: chosen by the load (see ThreadPolicy)
+    nnodes: int = 1  # machines the ranks are spread over, tensor_parallel_size / nnodes each (notebook 10a)
+    master_addr: str = "127.0.0.1"  # where rank 0 serves the rendezvous; with nnodes > 1, its address the others reach
+    master_port: int = 0  # the rendezvous' port (0: a free one)
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
@@ -57,6 +62,10 @@ class EngineArgs:
             if getattr(self, name) is not None: check_positive_int(name, getattr(self, name))
         if not is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        check_positive_int("nnodes", self.nnodes)
+        ranks_here = NodeLayout(self.tensor_parallel_size, self.nnodes).ranks_per_node  # checks that they split
+        if not (is_int(self.master_port) and 0 <= self.master_port <= 65535):
+            raise ValueError(f"master_port must be from 0 to 65535, got {self.master_port!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not 0 < self.cpu_kv_cache_fraction < 1:
@@ -67,9 +76,10 @@ class EngineArgs:
         if self.device == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError("device='cuda' but torch sees no CUDA GPU: use device='cpu' (or install torch's CUDA build)")
-            if self.tensor_parallel_size > torch.cuda.device_count():
-                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs that many GPUs, but "
-                                 f"{torch.cuda.device_count()} are visible: lower tensor_parallel_size")
+            if ranks_here > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} over nnodes={self.nnodes} needs "
+                                 f"{ranks_here} GPUs per machine, but {torch.cuda.device_count()} are visible: lower "
+                                 "tensor_parallel_size, or spread it over more machines")
 
     def model_config(self) -> Config:
         "The checkpoint's `Config`, checked against `tensor_parallel_size` (errors name the fix)."
@@ -263,30 +273,45 @@ class ThreadPolicy:
 class ModelRunner:
     "One rank's sharded model, KV-cache shard and (rank 0) sampler; `run` computes a scheduled step."
     def __init__(self, rank: int, args: EngineArgs, port: int | None = None,
-                 peers_alive: Callable[[], None] | None = None, listener: socket.socket | None = None):
+                 peers_alive: Callable[[], None] | None = None, listener: socket.socket | None = None,
+                 store=None, node_addr: str | None = None):
         self.rank, self.args, self.world_size = rank, args, args.tensor_parallel_size
+        self.layout = NodeLayout(self.world_size, args.nnodes)
         self.block_size = args.kvcache_block_size
-        self.device = torch.device(f"cuda:{rank}" if args.device == "cuda" else "cpu")
+        self.device = torch.device(f"cuda:{self.layout.local_rank(rank)}" if args.device == "cuda" else "cpu")
         self._old_threads = torch.get_num_threads()
-        if self.world_size > 1 and port is None and listener is None:
+        if self.world_size > 1 and port is None and listener is None and store is None:
             raise ValueError("tensor_parallel_size > 1 needs the port of the group's rendezvous")
         self.config = Config.from_pretrained(args.model, tensor_parallel_size=self.world_size, dtype=args.dtype)
         self.threads = None  # rank 0 on the CPU: the ThreadPolicy that picks each step's threads per rank
         if args.device == "cpu":
-            policy = ThreadPolicy(self.world_size, fixed=args.num_threads)
+            policy = ThreadPolicy(self.layout.ranks_per_node, fixed=args.num_threads)
             torch.set_num_threads(policy.threads)
             self.threads = policy if rank == 0 else None
         elif args.device == "cuda" and self.world_size == 1:
             torch.cuda.set_device(self.device)
         self.comm = None
         try:
-            self.comm = make_communicator(rank, self.world_size, port, device=args.device, timeout_s=args.timeout_s,
-                                          peers_alive=peers_alive, slot_bytes=self._slot_bytes(),
-                                          **({"listener": listener} if listener is not None else {}))
+            self.comm = self._connect(port, peers_alive, listener, store, node_addr)
             self._build()
         except BaseException:
             self.exit()  # subtle: leave the group and give back the threads, so a failed start leaves nothing behind
             raise
+
+    def _connect(self, port, peers_alive, listener, store, node_addr):
+        "Join the tensor-parallel group: the fastest way one machine allows, or across machines through gloo (NCCL)."
+        args = self.args
+        if args.nnodes == 1:
+            return make_communicator(self.rank, self.world_size, port, device=args.device, timeout_s=args.timeout_s,
+                                     peers_alive=peers_alive, slot_bytes=self._slot_bytes(),
+                                     **({"listener": listener} if listener is not None else {}))
+        # several machines: no shared memory between them, so every collective goes through the process groups
+        comm = ProcessGroupCommunicator.connect(
+            self.rank, self.world_size, port, store=store, host=args.master_addr, bind=node_addr or args.master_addr,
+            node=node_label(self.layout.node_of(self.rank)), backend="nccl" if args.device == "cuda" else "gloo",
+            timeout_s=args.timeout_s, peers_alive=peers_alive)
+        comm.watch.settle_s = STALE_S + 1  # subtle: a collective a remote rank broke waits for its heartbeat to name it
+        return comm
 
     def _slot_bytes(self) -> int:
         "Room per rank in the shared-memory collectives: a decode step's activations or logits slice, 256 KiB-8 MiB."
@@ -412,11 +437,12 @@ class ModelRunner:
         torch.set_num_threads(self._old_threads)
 
 # %% ../../nbs/11_model_runner.ipynb #076c8c29
-def run_batch(batch: ScheduledBatch, runner: ModelRunner, channel=None) -> StepOutput:
-    "Compute one scheduled batch: send it to the workers behind `channel` (without waiting), run rank 0's share; the sampled tokens."
+def run_batch(batch: ScheduledBatch, runner: ModelRunner, channel=None, remote=None) -> StepOutput:
+    "Compute one scheduled batch: send it to the workers behind `channel` and `remote` (without waiting), run rank 0's share; the sampled tokens."
     inputs = StepInputs.from_batch(batch, runner.threads.choose() if runner.threads is not None else None)
-    if channel is not None:
-        channel.call("run", inputs, wait=False)
+    for workers in (channel, remote):  # this machine's workers (shared memory), the other machines' (notebook 10a)
+        if workers is not None:
+            workers.call("run", inputs, wait=False)
     return runner.run(inputs, SamplingInputs.from_batch(batch))
 
 def run_until_done(scheduler: Scheduler, runner: ModelRunner, channel=None, max_steps: int = 100_000) -> int:
