@@ -344,11 +344,13 @@ class ShmCommandReceiver:
 
 # %% ../../nbs/10_shm_ipc.ipynb #9cf9c314
 def worker_loop(receiver: ShmCommandReceiver, handler: Any) -> bool:
-    "Call `getattr(handler, method)(*args)` for each command until `exit` (True) or rank 0's death (False); report a failure and re-raise."
+    "Call `getattr(handler, method)(*args)` for each command until `exit` (True) or rank 0's death (False); report a failure and re-raise. The handler's `exit` runs once, whatever ends the loop."
+    exited = False
     try:
         while True:
             method, args = receiver.recv()
             if method == "exit":
+                exited = True
                 if hasattr(handler, "exit"): handler.exit(*args)
                 return True
             getattr(handler, method)(*args)
@@ -357,24 +359,24 @@ def worker_loop(receiver: ShmCommandReceiver, handler: Any) -> bool:
     except BaseException:
         receiver.report_error(traceback.format_exc())
         raise
+    finally:
+        if not exited and hasattr(handler, "exit"):
+            # subtle: rank 0 died or a command failed: still leave the group (unlinking what a dead rank 0 cannot)
+            try: handler.exit()
+            except Exception: pass
 
 def _worker_main(handle_fields: dict, make_handler: Callable, args: tuple) -> None:
     "Body of a worker: attach, build `make_handler(rank, *args)`, serve commands, close whatever happens."
     handle = WorkerHandle(**handle_fields)
     receiver = ShmCommandReceiver(handle)
-    handler, exited = None, False
     try:
         try:
             handler = make_handler(handle.rank, *args)
         except BaseException:
             receiver.report_error(traceback.format_exc())
             raise
-        exited = worker_loop(receiver, handler)
+        worker_loop(receiver, handler)
     finally:
-        if handler is not None and not exited and hasattr(handler, "exit"):
-            # subtle: rank 0 died or a command failed: still leave the group (unlinking what a dead rank 0 cannot)
-            try: handler.exit()
-            except Exception: pass
         receiver.close()  # at once, rather than when the finalizers run at the process's exit
 
 # %% ../../nbs/10_shm_ipc.ipynb #d68d38a3
