@@ -65,19 +65,20 @@ def test_two_hosts_give_the_tokens_of_one(model, tp, request):
 
 
 def test_the_packaged_model_on_two_hosts():
+    "In float32, whose greedy tokens do not depend on the torch version (bfloat16 sums round differently by TP size)."
     prompts, params = ["ROMEO:", "To be, or not", "The king"], SamplingParams(temperature=0.0, max_tokens=24)
     first = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)  # the prefill's top-5 log-probabilities
-    with LLM() as llm:
+    with LLM(dtype="float32") as llm:
         # six prompts of 1,000 tokens of the model's own text: their prefill's command needs two broadcasts
         written = llm.generate(["ROMEO:", "JULIET:", "HAMLET:", "First Citizen:", "KING:", "Enter"],
                                SamplingParams(temperature=1.0, seed=0, max_tokens=1000, ignore_eos=True), use_tqdm=False)
         long_prompts = [o.prompt_token_ids + o.token_ids for o in written]
         reference = [o.text for o in llm.generate(prompts, params, use_tqdm=False)]
         long_reference = top_logprobs(llm, long_prompts, first)
-    with LLM(tensor_parallel_size=4) as llm:
+    with LLM(tensor_parallel_size=4, dtype="float32") as llm:
         assert [o.text for o in llm.generate(prompts, params, use_tqdm=False)] == reference
         one_host = top_logprobs(llm, long_prompts, first)
-    assert_same_logprobs(one_host, long_reference, BF16)
+    assert_same_logprobs(one_host, long_reference, FLOAT32)
     from minivllm.engine.ipc import encode_command
     from minivllm.engine.model_runner import StepInputs
     from minivllm.engine.multinode import INLINE_BYTES
@@ -86,10 +87,10 @@ def test_the_packaged_model_on_two_hosts():
     from minivllm.llm import DEFAULT_MODEL
     port = free_port()
     with WorkerNode("127.0.0.1", port) as node:
-        with LLM(DEFAULT_MODEL, tensor_parallel_size=4, nnodes=2, master_port=port) as llm:
+        with LLM(DEFAULT_MODEL, tensor_parallel_size=4, nnodes=2, master_port=port, dtype="float32") as llm:
             assert [o.text for o in llm.generate(prompts, params, use_tqdm=False)] == reference
             two_hosts = top_logprobs(llm, long_prompts, first)
-    assert_same_logprobs(two_hosts, long_reference, BF16)
+    assert_same_logprobs(two_hosts, long_reference, FLOAT32)
     assert two_hosts == one_host  # bit for bit: the same shards and the same sums, whatever carries the commands
     assert node.wait() == 0
 
@@ -98,7 +99,7 @@ def top_logprobs(llm, prompts, params) -> list[dict[int, float]]:
     return [o.outputs[0].logprobs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-BF16 = dict(atol=0.1, rtol=0.05)  # the packaged model computes in bfloat16: TP changes its sums' rounding
+FLOAT32 = dict(atol=1e-3, rtol=1e-3)  # TP changes the order of the sums
 
 
 def assert_same_logprobs(got: list[dict[int, float]], expected: list[dict[int, float]], tolerance: dict) -> None:
@@ -260,11 +261,11 @@ def test_serving_from_two_hosts():
     import httpx
     from minivllm.testing import ServerProcess
     params = SamplingParams(temperature=0.0, max_tokens=16)
-    with LLM() as llm:
+    with LLM(dtype="float32") as llm:
         expected = llm.generate("ROMEO:", params, use_tqdm=False).text
     port = free_port()
     with WorkerNode("127.0.0.1", port) as node:
-        with ServerProcess("--tp", "2", "--nnodes", "2", "--master-port", str(port)) as server:
+        with ServerProcess("--tp", "2", "--nnodes", "2", "--master-port", str(port), "--dtype", "float32") as server:
             reply = httpx.post(server.url + "/v1/completions", timeout=60,
                                json={"model": "minivllm-default", "prompt": "ROMEO:", "max_tokens": 16, "temperature": 0})
             assert reply.status_code == 200, reply.text
