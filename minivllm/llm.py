@@ -134,8 +134,15 @@ def _start_ranks(state: dict, args: EngineArgs) -> EngineArgs:
             if channel is not None: channel.check()
             if monitor is not None: monitor.check()
 
-        runner = state["runner"] = ModelRunner(0, args, peers_alive=peers_alive,
-                                               listener=listener if store is None else None, store=store)
+        try:
+            runner = state["runner"] = ModelRunner(0, args, peers_alive=peers_alive,
+                                                   listener=listener if store is None else None, store=store)
+        except RankFailure as e:  # name the machines that never came, and the command that brings them
+            absent = [n for n in range(1, args.nnodes) if store is not None and not store.check([f"node/{n}"])]
+            if not absent:
+                raise
+            raise RankFailure(f"{e}: node {', '.join(map(str, absent))} never joined; on each, run `minivllm worker "
+                              f"--master-addr {args.master_addr} --master-port {port} --node-rank N`") from None
         if store is not None:
             group = command_group(store, 0, len(layout.remote_ranks) + 1, args.master_addr)
             state["remote"] = GlooCommandChannel(group, monitor, timeout_s=args.timeout_s)

@@ -16,7 +16,7 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.cli import main as cli_main
-from minivllm.distributed import RankFailure, free_port
+from minivllm.distributed import RankFailure, free_port, listen_socket
 from minivllm.testing import (WorkerNode, gone, leftover_segments, make_tiny_checkpoint, shm_segments, tcp_listeners)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -271,3 +271,16 @@ def test_serving_from_two_hosts():
             assert reply.status_code == 200, reply.text
             assert reply.json()["choices"][0]["text"] == expected
         assert node.wait() == 0
+
+
+def test_an_engine_whose_nodes_never_come_says_which(tiny):
+    "No `minivllm worker` for node 1: after timeout_s the engine names the node and the command that brings it."
+    before = shm_segments()
+    port = free_port()
+    with pytest.raises(RankFailure, match=r"(?s)joined.*node 1 never joined; on each, run `minivllm worker --master-addr "
+                                          rf"127\.0\.0\.1 --master-port {port} --node-rank N`"):
+        LLM(tiny, tensor_parallel_size=4, nnodes=2, master_port=port, timeout_s=5)
+    assert not leftover_segments(before)
+    listen_socket("127.0.0.1", port).close()  # the rendezvous let go of its port
+    with LLM(tiny) as llm:
+        assert tokens(llm, [[1, 2, 3]])  # the process is still usable
