@@ -414,7 +414,7 @@ def gone(pid: int) -> bool:
     "Whether `pid` has exited (an unreaped zombie counts as gone)."
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # subtle: the second when it exits between open and read
         return True
 
 def wait_until(cond, timeout_s: float) -> bool:
