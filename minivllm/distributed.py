@@ -28,7 +28,7 @@ import torch.distributed as dist
 # %% auto #0
 __all__ = ['divide', 'Communicator', 'CountingCommunicator', 'describe_exit', 'RankProcess', 'free_port', 'listen_socket',
            'RankFailure', 'process_state', 'PeerWatch', 'default_backend', 'store_server', 'ProcessGroupCommunicator',
-           'run_on_ranks']
+           'shutdown_groups', 'run_on_ranks', 'end_processes']
 
 # %% ../nbs/01_distributed.ipynb #aff03d8a
 def divide(numerator: int, denominator: int, what: str = "value") -> int:
@@ -476,17 +476,21 @@ class ProcessGroupCommunicator(Communicator):
         "Leave the group: drop the process groups (their sockets close). Idempotent."
         groups = [g for g in (self.device_group, self.cpu_group) if g is not None]
         self.cpu_group = self.device_group = None
-        if groups:
-            # subtle: before torch 2.8 a gloo group's destructor joins its worker threads while holding the GIL, and a
-            # worker still dropping the last reference to a finished collective's tensor waits for that GIL: a
-            # deadlock (pytorch/pytorch#154976; 11 of 25 runs with torch 2.4.1 here). Sleeping releases the GIL so
-            # the workers finish first (0 of 25 hung).
-            time.sleep(0.1)
-            for g in groups:
-                if hasattr(g, "shutdown"):
-                    try: g.shutdown()
-                    except RuntimeError: pass
-            del groups
+        shutdown_groups(groups)
+
+def shutdown_groups(groups: list) -> None:
+    "Close these process groups' connections now, rather than when they are garbage-collected."
+    if not groups:
+        return
+    # subtle: before torch 2.8 a gloo group's destructor joins its worker threads while holding the GIL, and a
+    # worker still dropping the last reference to a finished collective's tensor waits for that GIL: a
+    # deadlock (pytorch/pytorch#154976; 11 of 25 runs with torch 2.4.1 here). Sleeping releases the GIL so
+    # the workers finish first (0 of 25 hung).
+    time.sleep(0.1)
+    for g in groups:
+        if hasattr(g, "shutdown"):
+            try: g.shutdown()
+            except RuntimeError: pass
 
 # %% ../nbs/01_distributed.ipynb #926e9fe5
 def _send_result(fd: int, message) -> None:
@@ -562,13 +566,17 @@ def run_on_ranks(fn: Callable, world_size: int, *args, connect: Callable | None 
         listener.close()
         # subtle: after a failure the other ranks notice it within seconds and leave cleanly (rank 0's shared
         # memory unlinked by whoever outlives it); give them that time before killing what is left.
-        grace_end = time.monotonic() + 5.0
-        for p in procs.values():
-            if process_state(p.pid) != "stopped":
-                p.join(max(0.0, grace_end - time.monotonic()))
-        for p in procs.values(): p.kill()
-        for p in procs.values(): p.join(10)
+        end_processes(procs.values())
         for fd in pipes.values(): os.close(fd)
+
+def end_processes(procs, grace_s: float = 5.0) -> None:
+    "Give these `RankProcess`es `grace_s` seconds to end by themselves (a stopped one cannot), then kill what is left."
+    grace_end = time.monotonic() + grace_s
+    for p in procs:
+        if process_state(p.pid) != "stopped":
+            p.join(max(0.0, grace_end - time.monotonic()))
+    for p in procs: p.kill()
+    for p in procs: p.join(10)
 
 def _collect(procs: dict[int, RankProcess], pipes: dict[int, int], timeout_s: float) -> Any:
     "Wait for every rank's report; rank 0's result, or `RankFailure` naming the first rank that failed."

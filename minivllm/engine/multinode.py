@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..distributed import RankFailure, RankProcess, process_state, run_on_ranks
+from ..distributed import RankFailure, RankProcess, end_processes, run_on_ranks, shutdown_groups
 from .ipc import OwnerDied, decode_command, encode_command, worker_loop
 
 # %% auto #0
@@ -163,13 +163,6 @@ def _broadcast(group, x: torch.Tensor):
     opts.rootRank, opts.rootTensor = 0, 0
     return group.broadcast([x], opts)
 
-def _shutdown_group(group) -> None:
-    "Close a gloo group's connections (see `ProcessGroupCommunicator.close` for the sleep)."
-    time.sleep(0.1)
-    if hasattr(group, "shutdown"):
-        try: group.shutdown()
-        except RuntimeError: pass
-
 # %% ../../nbs/10a_multi_node.ipynb #225cd146
 class GlooCommandChannel:
     "Rank 0's end of the commands to the remote ranks: a gloo broadcast of the pickle behind its length (two when long)."
@@ -249,7 +242,7 @@ class GlooCommandChannel:
             pass
         finally:
             group, self.group, self._pending = self.group, None, []
-            _shutdown_group(group)
+            shutdown_groups([group])
 
 # %% ../../nbs/10a_multi_node.ipynb #494c2816
 class GlooCommandReceiver:
@@ -295,7 +288,7 @@ class GlooCommandReceiver:
         "Close the group. Idempotent."
         if self.group is not None:
             group, self.group = self.group, None
-            _shutdown_group(group)
+            shutdown_groups([group])
 
 # %% ../../nbs/10a_multi_node.ipynb #85a5876b
 class _Recorder:
@@ -327,7 +320,7 @@ def _received(comm, mine):
     n = int(comm.broadcast(torch.zeros(1, dtype=torch.int64), src=1))
     return pickle.loads(comm.broadcast(torch.empty(n, dtype=torch.uint8), src=1).numpy().tobytes())
 
-# %% ../../nbs/10a_multi_node.ipynb #33409c2c
+# %% ../../nbs/10a_multi_node.ipynb #741bb78b
 def _remote_rank_main(rank: int, master_addr: str, master_port: int, node: int, node_addr: str, model: str | None,
                       make_handler: Callable, timeout_s: float) -> None:
     "Body of a rank on another machine: the engine's arguments from rank 0's store, a heartbeat, the handler, then commands until `exit`."
@@ -358,7 +351,6 @@ def _remote_rank_main(rank: int, master_addr: str, master_port: int, node: int, 
     if not exited:
         raise SystemExit(f"rank {rank}: rank 0 is gone; exiting")
 
-# %% ../../nbs/10a_multi_node.ipynb #741bb78b
 def run_node(master_addr: str, master_port: int, node: int, make_handler: Callable, *, nnodes: int | None = None,
              node_addr: str | None = None, model: str | None = None, timeout_s: float = 300.0,
              log: Callable[[str], None] = print) -> int:
@@ -411,13 +403,7 @@ def run_node(master_addr: str, master_port: int, node: int, make_handler: Callab
                 log(f"node {node}: the engine closed; done")
                 return 0
     finally:
-        grace_end = time.monotonic() + 5.0
-        for p in procs.values():
-            if process_state(p.pid) != "stopped":
-                p.join(max(0.0, grace_end - time.monotonic()))
-        for p in procs.values():
-            p.kill()
-            p.join(5.0)
+        end_processes(procs.values())
 
 # %% ../../nbs/10a_multi_node.ipynb #3194f66f
 class _Sink:
