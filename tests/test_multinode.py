@@ -17,7 +17,8 @@ import pytest
 from minivllm import LLM, SamplingParams
 from minivllm.cli import main as cli_main
 from minivllm.distributed import RankFailure, free_port, listen_socket
-from minivllm.testing import (WorkerNode, gone, leftover_segments, make_tiny_checkpoint, shm_segments, tcp_listeners)
+from minivllm.testing import (WorkerNode, gone, leftover_segments, make_tiny_checkpoint, rank_processes, shm_segments,
+                              tcp_listeners)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 60))]
@@ -282,3 +283,27 @@ def test_an_engine_whose_nodes_never_come_says_which(tiny):
     listen_socket("127.0.0.1", port).close()  # the rendezvous let go of its port
     with LLM(tiny) as llm:
         assert tokens(llm, [[1, 2, 3]])  # the process is still usable
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_machine_whose_checkpoint_is_broken_is_named(tiny, tmp_path, tp):
+    "The second machine's copy of the weights is damaged: the engine's start raises a RankFailure with that rank's own error, and nothing is left on either machine."
+    broken = tmp_path / "copy"
+    shutil.copytree(tiny, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(b"not a checkpoint")
+    before = shm_segments()
+    port = free_port()
+    start = time.monotonic()
+    with WorkerNode("127.0.0.1", port, 1, "--model", str(broken)) as node:
+        with pytest.raises(RankFailure, match=rf"rank [{tp // 2}-{tp - 1}] on node 1 \(.*\) raised") as failure:
+            LLM(tiny, tensor_parallel_size=tp, nnodes=2, master_port=port)
+        remote = node.ranks
+        assert node.wait() != 0
+    assert [pid for pid in remote if not wait_gone(pid)] == []
+    assert rank_processes(os.getpid()) == []
+    assert f"{broken / 'model.safetensors'} is corrupt or incomplete" in str(failure.value), failure.value
+    assert time.monotonic() - start < 60
+    assert not leftover_segments(before)
+    with LLM(tiny) as llm:  # the process is still usable
+        assert tokens(llm, [[1, 2, 3]])
