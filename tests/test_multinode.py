@@ -18,7 +18,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.cli import main as cli_main
 from minivllm.distributed import RankFailure, free_port, listen_socket
 from minivllm.testing import (WorkerNode, gone, leftover_segments, make_tiny_checkpoint, rank_processes, shm_segments,
-                              tcp_listeners)
+                              tcp_listeners, wait_until)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 60))]
@@ -153,6 +153,15 @@ def wait_gone(pid: int, timeout_s: float = 15.0) -> bool:
         if gone(pid): return True
         time.sleep(0.05)
     return gone(pid)
+
+
+def group_gone(pgid: int) -> bool:
+    "No process is left in process group `pgid` (a `WorkerNode` runs in its own)."
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 def test_the_remote_ranks_exit_when_the_engine_dies(tiny):
@@ -298,10 +307,9 @@ def test_a_machine_whose_checkpoint_is_broken_is_named(tiny, tmp_path, tp):
     with WorkerNode("127.0.0.1", port, 1, "--model", str(broken)) as node:
         with pytest.raises(RankFailure, match=rf"rank [{tp // 2}-{tp - 1}] on node 1 \(.*\) raised") as failure:
             LLM(tiny, tensor_parallel_size=tp, nnodes=2, master_port=port)
-        remote = node.ranks
         assert node.wait() != 0
-    assert [pid for pid in remote if not wait_gone(pid)] == []
-    assert rank_processes(os.getpid()) == []
+    assert wait_until(lambda: group_gone(node.proc.pid), 15)  # the agent and every rank of the second machine
+    assert rank_processes(os.getpid()) == []                   # and the first machine's own rank
     assert f"{broken / 'model.safetensors'} is corrupt or incomplete" in str(failure.value), failure.value
     assert time.monotonic() - start < 60
     assert not leftover_segments(before)
