@@ -148,11 +148,7 @@ def test_a_host_that_disappears_is_named(tiny, what):
 
 
 def wait_gone(pid: int, timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if gone(pid): return True
-        time.sleep(0.05)
-    return gone(pid)
+    return wait_until(lambda: gone(pid), timeout_s)
 
 
 def group_gone(pgid: int) -> bool:
