@@ -145,6 +145,28 @@ def checkpoint_files(path: str | Path) -> list[Path]:
                                 "saved with safetensors")
     return files
 
+# %% ../nbs/07_models.ipynb #c6a0f3d9
+def _all_finite(t: torch.Tensor) -> bool:
+    "Whether every element of `t` is finite (integer tensors always are), in one `sum` unless the sum is not finite."
+    if not t.is_floating_point():
+        return True
+    if t.element_size() == 1:  # float8: CPU torch has no sum for it; float16 holds every float8 value, NaN and inf too
+        t = t.to(torch.float16)
+    # subtle: a NaN or inf element makes the sum NaN or inf (NaN absorbs everything, inf + finite = inf, inf - inf =
+    # NaN), so a finite sum proves every element finite. Not the converse: finite elements can add up past the dtype's
+    # range (float16 ends at 65504; a bfloat16 or float16 sum is rounded back to its dtype), so a non-finite sum
+    # only sends us to the exact per-element check.
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+def _non_finite(file: Path, name: str, t: torch.Tensor) -> ValueError:
+    "The error for tensor `name` of `file`, which holds NaN or infinite values: how many, where the first is, what to do."
+    t = t.to(torch.float16) if t.element_size() == 1 else t
+    bad, nan = ~torch.isfinite(t), int(torch.isnan(t).sum())
+    first = tuple(bad.nonzero()[0].tolist())
+    return ValueError(f"{file.absolute()}: tensor {name!r} holds {nan} NaN and {int(bad.sum()) - nan} infinite value(s), "
+                      f"the first at index {first}: these weights are broken (a training run that diverged, or a bad "
+                      "conversion); use a good copy of the checkpoint")
+
 # %% ../nbs/07_models.ipynb #70f5dd94
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -204,6 +226,8 @@ def load_checkpoint(model: CausalLM, path: str | Path) -> None:
                     tensor = f.get_tensor(name)
                 except SafetensorError as e:  # e.g. a dtype this safetensors cannot read
                     raise _unreadable(file, e) from None
+                if not _all_finite(tensor):
+                    raise _non_finite(file, name, tensor)
                 try:
                     if shard_id is None: loader(param, tensor)
                     else: loader(param, tensor, shard_id)

@@ -170,3 +170,39 @@ def test_tensor_that_safetensors_cannot_read_names_the_file(checkpoints, tmp_pat
     with pytest.raises(ValueError, match="is corrupt or incomplete .* download it again") as e:
         load_model(tmp_path / "ckpt")
     assert str(weights.absolute()) in str(e.value)
+
+
+def poisoned_copy(src, dst, edit):
+    "A copy of checkpoint `src` at `dst` whose tensors went through `edit(dict)` in place."
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst / "model.safetensors"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("bad, count", [(float("nan"), "holds 1 NaN and 0 infinite value(s)"),
+                                        (float("inf"), "holds 0 NaN and 1 infinite value(s)"),
+                                        (float("-inf"), "holds 0 NaN and 1 infinite value(s)")], ids=["nan", "inf", "-inf"])
+def test_non_finite_weights_are_refused_naming_the_tensor_and_file(tmp_path, dtype, bad, count):
+    good = make_tiny_checkpoint(tmp_path / "good", "qwen3", dtype=dtype)
+    name = "model.layers.1.self_attn.k_proj.weight"  # a packed (qkv) tensor, sharded by the loader
+    def poison(t): t[name][7, 3] = bad
+    weights = poisoned_copy(good, tmp_path / "bad", poison)
+    with pytest.raises(ValueError) as e:
+        load_model(tmp_path / "bad")
+    message = str(e.value)
+    assert message.startswith(f"{weights.absolute()}: tensor {name!r} {count}, the first at index (7, 3)"), message
+    assert "use a good copy of the checkpoint" in message
+    load_model(good)  # the untouched checkpoint still loads
+
+
+def test_finite_weights_whose_sum_overflows_still_load(tmp_path):
+    "float16 weights that are each finite but sum past 65504: the cheap sum check must not refuse them."
+    good = make_tiny_checkpoint(tmp_path / "good", "qwen3", dtype="float16")
+    def big(t): t["model.norm.weight"].fill_(60_000.0)
+    poisoned_copy(good, tmp_path / "big", big)
+    model = load_model(tmp_path / "big")
+    assert torch.equal(model.model.norm.weight, torch.full_like(model.model.norm.weight, 60_000.0))
