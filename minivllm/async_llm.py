@@ -74,13 +74,15 @@ class AsyncLLM:
 
     # ---- the caller's side (any thread with an asyncio loop)
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, must_fit: bool = False) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, must_fit: bool = False,
+                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
         "Add a request and yield what is new for it after each step, until it finishes; stopping early aborts it."
+        # prompt_text: the text that token-id `prompt` was tokenized from (a server tokenizes off the engine thread)
         if not self.is_running:
             raise RuntimeError(f"the engine is not running{f' ({self.error})' if self.error else ''}: start a new one")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop())
-        self._send("add", request_id, prompt, sampling_params, must_fit, stream)
+        self._send("add", request_id, prompt, sampling_params, must_fit, prompt_text, stream)
         finished = False
         try:
             while not finished:
@@ -148,7 +150,7 @@ class AsyncLLM:
                 for seq in request.seqs: self._request_of.pop(seq.seq_id, None)
                 stream.put(request.delta() or request.output())
 
-    def _add(self, request_id: str, prompt, params, must_fit: bool, stream: _Stream) -> None:
+    def _add(self, request_id: str, prompt, params, must_fit: bool, prompt_text: str | None, stream: _Stream) -> None:
         if request_id in self._live:
             stream.put(ValueError(f"a request with id {request_id!r} is already running: give each request its own id"))
             return
@@ -157,6 +159,8 @@ class AsyncLLM:
         except (ValueError, TypeError) as e:  # a bad request: its caller hears why, the engine goes on
             stream.put(e)
             return
+        if prompt_text is not None:
+            request.prompt_text = prompt_text  # the outputs' `prompt`, as if the engine had tokenized it
         self._live[request_id] = (request, stream)
         self._request_of.update({seq.seq_id: request_id for seq in request.seqs})
         self._counts["prompt_tokens"] += len(request.seqs[0].prompt_token_ids)

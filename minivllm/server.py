@@ -15,6 +15,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import uvicorn
@@ -24,14 +25,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException
 
 from .async_llm import AsyncLLM
 from .engine.scheduler import SamplingParams
 from .llm import LLM, CompletionOutput, RequestOutput, _load_tokenizer, logger
 
 # %% auto #0
-__all__ = ['StreamOptions', 'SamplingFields', 'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'error_response',
-           'validation_message', 'usage', 'LogprobFormat', 'sse', 'OpenAIReply', 'EngineCollector', 'ServerMetrics',
+__all__ = ['MAX_REQUEST_BYTES', 'MAX_N', 'MAX_LOGPROBS', 'MAX_COMPLETION_LOGPROBS', 'StreamOptions', 'SamplingFields',
+           'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'error_response', 'validation_message',
+           'is_json_content_type', 'http_error_message', 'check_max_request_bytes', 'BodyLimit', 'longest_token_chars',
+           'PromptEncoder', 'usage', 'LogprobFormat', 'sse', 'OpenAIReply', 'EngineCollector', 'ServerMetrics',
            'RequestTimer', 'generate_all', 'build_app', 'bind_socket', 'serve']
 
 # %% ../nbs/13b_server.ipynb #ebfbba7b
@@ -95,7 +99,156 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"the body is not valid JSON ({e.get('ctx', {}).get('error', 'cannot parse it')})", None
     where = [str(p) for p in e.get("loc", ()) if p != "body"]
     field = ".".join(where) or None
-    return (f"{field}: {e.get('msg', 'invalid')}" if field else e.get("msg", "invalid request body")), field
+    if field is None:  # the body as a whole: missing, or not an object
+        if e.get("type") == "missing":
+            return "the body is empty: send a JSON object (Content-Type: application/json)", None
+        return f"the body must be a JSON object ({e.get('msg', 'it is not one')})", None
+    return f"{field}: {e.get('msg', 'invalid')}", field
+
+# %% ../nbs/13b_server.ipynb #d2b23ca6
+def is_json_content_type(value: str | None) -> bool:
+    "Whether FastAPI reads a body of this Content-Type as JSON: application/json, application/*+json, or none given."
+    if value is None:
+        return True
+    kind = value.split(";")[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+def http_error_message(exc: HTTPException, method: str, path: str) -> str:
+    "The message of an HTTP error raised outside our routes: a body that cannot be read, an unknown path or method."
+    cause = exc.__cause__  # FastAPI raises its 400 for an unreadable body `from` the parser's error
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the body is not valid UTF-8 (byte {cause.start}: {cause.reason}): send JSON text encoded as UTF-8"
+    if isinstance(cause, RecursionError):
+        return "the body's JSON is nested too deeply to read: send a flatter JSON object"
+    if cause is not None:
+        return f"the body cannot be read as JSON ({type(cause).__name__}: {cause}): send a JSON object"
+    if exc.status_code == 404:
+        return (f"there is no {path}: this server serves POST /v1/completions, POST /v1/chat/completions, "
+                "GET /v1/models, GET /health and GET /metrics")
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow")
+        return f"{method} is not allowed on {path}" + (f": use {allowed}" if allowed else "")
+    return str(exc.detail)
+
+# %% ../nbs/13b_server.ipynb #ad30902c
+MAX_REQUEST_BYTES = 4 * 2**20  # the largest request body a server reads, by default (build_app's max_request_bytes)
+MAX_N = 128  # the most completions one prompt may ask for (OpenAI's limit), and never more than max_num_seqs
+MAX_LOGPROBS = 20  # the most likely tokens a chat reply may show per token (top_logprobs), as OpenAI and vLLM allow
+MAX_COMPLETION_LOGPROBS = 5  # the same for completions' logprobs (OpenAI's limit)
+
+def check_max_request_bytes(value) -> None:
+    "`ValueError` unless `value` is a positive whole number of bytes."
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"max_request_bytes must be a positive whole number of bytes, got {value!r}")
+
+class BodyLimit:
+    "ASGI middleware: a body over `max_bytes` gets a 413, by its Content-Length before it is read, else once it passes the limit."
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    def refusal(self, size: int | None) -> JSONResponse:
+        said = f"has {size:,} bytes" if size is not None else "is longer than that"
+        return error_response(413, f"the request body {said}, but this server reads at most {self.max_bytes:,} bytes "
+                              "(its max_request_bytes): send fewer or shorter prompts, or start the server with a "
+                              "larger max_request_bytes", code="request_too_large")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self.refusal(int(declared))(scope, receive, send)
+        seen, refused, started = 0, False, False
+
+        async def receive_within_limit():
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    refused = True
+                    if not started:
+                        await self.refusal(None)(scope, receive, send)
+                    # subtle: to the app, the client has gone: it stops reading, and what it answers is dropped
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def send_unless_refused(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            if not refused:
+                await send(message)
+
+        await self.app(scope, receive_within_limit, send_unless_refused)
+
+# %% ../nbs/13b_server.ipynb #6791aecc
+def longest_token_chars(tokenizer) -> int:
+    "The most characters one token stands for: its text decoded alone (special tokens too), plus one for a dropped leading space."
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    return max(map(len, texts)) + 1
+
+class PromptEncoder:
+    "A server's prompts: refused by their length when they cannot fit, else tokenized in a thread of their own, off the event loop."
+    def __init__(self, tokenizer, max_model_len: int, model_name: str):
+        self.tokenizer, self.max_model_len, self.model_name = tokenizer, max_model_len, model_name
+        self.chars_per_token = longest_token_chars(tokenizer) if tokenizer is not None else None
+        # subtle: one thread, so that the tokenizer is never used by two threads at once
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="minivllm-tokenizer")
+
+    @property
+    def max_chars(self) -> int | None:
+        "The most characters a text prompt may have: more cannot fit in max_model_len tokens."
+        return self.max_model_len * self.chars_per_token if self.tokenizer is not None else None
+
+    def check_chars(self, num_chars: int, what: str = "the prompt") -> None:
+        "`ValueError` if a text of `num_chars` characters cannot fit in max_model_len tokens (or there is no tokenizer)."
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_name} has no tokenizer: send prompts as lists of token ids")
+        if num_chars > self.max_chars:
+            raise ValueError(f"{what} has {num_chars:,} characters, but max_model_len is {self.max_model_len} tokens "
+                             f"and no token of this model stands for more than {self.chars_per_token} characters: "
+                             f"at most {self.max_chars:,} characters can fit; shorten it")
+
+    def check(self, prompt: str | list[int]) -> None:
+        "`ValueError` if a prompt (text or token ids) cannot fit in max_model_len tokens, judged by its length alone."
+        if isinstance(prompt, str):
+            self.check_chars(len(prompt))
+        elif len(prompt) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens, but max_model_len is {self.max_model_len}: a prompt "
+                             "must be shorter, to leave room for at least one generated token")
+
+    async def run(self, fn, *args):
+        "`fn(*args)` in the tokenizer's thread; the event loop serves others meanwhile."
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def encode(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        "Each prompt's token ids, after checking every length: texts tokenized in the tokenizer's thread, token ids as given."
+        for prompt in prompts:
+            self.check(prompt)
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(await self.run(lambda: [self.tokenizer.encode(t) for t in texts]) if texts else ())
+        return [next(encoded) if isinstance(p, str) else p for p in prompts]
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        "A conversation's prompt text by the model's chat template; `ValueError` if it has none."
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"{self.model_name} has no chat template: use /v1/completions with plain prompts")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    async def encode_chat(self, messages: list[dict]) -> tuple[str, list[int]]:
+        "A conversation's prompt text and token ids, rendered and tokenized in the tokenizer's thread, its length checked first."
+        self.check_chars(sum(len(m["content"]) for m in messages), "the messages' content")  # the template only adds
+        def render():
+            text = self.chat_prompt(messages)
+            self.check(text)
+            return text, self.tokenizer.encode(text)
+        return await self.run(render)
+
+    def close(self) -> None:
+        "Let the tokenizer's thread end."
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
 # %% ../nbs/13b_server.ipynb #6a69c084
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -256,14 +409,16 @@ class RequestTimer:
             m.finished.labels(reason).inc()
 
 # %% ../nbs/13b_server.ipynb #f9a115e0
-async def generate_all(engine: AsyncLLM, prompts: list, params: SamplingParams, request_id: str
-                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    "Run one engine request per prompt at once; yield `(prompt index, delta)` as they come. Leaving early aborts them all."
+async def generate_all(engine: AsyncLLM, prompts: list, params: SamplingParams, request_id: str,
+                       texts: list[str | None] | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    "Run one engine request per prompt at once (texts: what token-id prompts were tokenized from); yield `(prompt index, delta)` as they come. Leaving early aborts them all."
     queue: asyncio.Queue = asyncio.Queue()
+    texts = texts if texts is not None else [None] * len(prompts)
     async def pump(i, prompt):
         try:
             # subtle: aclosing closes the engine's generator at once when this task is cancelled: that aborts it
-            async with contextlib.aclosing(engine.generate(prompt, params, f"{request_id}-{i}", must_fit=True)) as s:
+            async with contextlib.aclosing(engine.generate(prompt, params, f"{request_id}-{i}", must_fit=True,
+                                                           prompt_text=texts[i])) as s:
                 async for delta in s:
                     await queue.put((i, delta))
         except BaseException as e:
@@ -287,17 +442,44 @@ async def generate_all(engine: AsyncLLM, prompts: list, params: SamplingParams, 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 # %% ../nbs/13b_server.ipynb #29816288
-def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tokenizer=None) -> FastAPI:
+def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tokenizer=None,
+              max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     "The OpenAI-compatible app over `engine`, serving it as `model_name`; with `api_key`, /v1 needs `Authorization: Bearer KEY`."
-    app = FastAPI(title="minivllm", docs_url=None, redoc_url=None)
-    metrics, logprob_format = ServerMetrics(engine), LogprobFormat(tokenizer)
+    # tokenizer: the server's own copy (default: loaded from the engine's checkpoint); the engine's is its thread's
+    check_max_request_bytes(max_request_bytes)
+    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(Path(engine.llm.args.model))
     max_model_len = engine.llm.args.max_model_len
-    app.state.engine, app.state.metrics = engine, metrics
+    max_n = min(MAX_N, engine.llm.args.max_num_seqs)
+    metrics, logprob_format = ServerMetrics(engine), LogprobFormat(tokenizer)
+    encoder = PromptEncoder(tokenizer, max_model_len, model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        encoder.close()
+
+    app = FastAPI(title="minivllm", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.engine, app.state.metrics, app.state.encoder = engine, metrics, encoder
 
     @app.exception_handler(RequestValidationError)
-    async def bad_body(request, exc: RequestValidationError):
+    async def bad_body(request: HTTPRequest, exc: RequestValidationError):
+        if not is_json_content_type(kind := request.headers.get("content-type")):
+            return error_response(400, f"the body must be JSON, sent with Content-Type: application/json (got "
+                                  f"Content-Type: {kind})")
         message, param = validation_message(exc)
         return error_response(400, message, param=param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: HTTPRequest, exc: HTTPException):
+        r = error_response(exc.status_code, http_error_message(exc, request.method, request.url.path),
+                           "invalid_request_error" if exc.status_code < 500 else "server_error")
+        r.headers.update(exc.headers or {})
+        return r
+
+    @app.exception_handler(Exception)
+    async def server_error(request: HTTPRequest, exc: Exception):
+        return error_response(500, f"the server failed on this request ({type(exc).__name__}: {exc}): please report "
+                              "it, with the request", "server_error")
 
     @app.middleware("http")
     async def check_api_key(request: HTTPRequest, call_next):
@@ -309,19 +491,24 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tok
         return await call_next(request)
 
     def check(body: SamplingFields) -> JSONResponse | None:
-        "The error response for a body the engine must not see (unknown model, stopped engine), else None."
+        "The error response for a body the engine must not see (unknown model, stopped engine, n past its bound), else None."
         if body.model != model_name:
             return error_response(400, f"the model {body.model!r} is not served here: this server serves "
                                   f"{model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
         if not engine.is_running:
             return error_response(503, f"the engine has stopped ({engine.error}): restart the server",
                                   "server_error")
+        if body.n > max_n:
+            return error_response(400, f"n must be at most {max_n} here (at most {MAX_N} completions per prompt, and no "
+                                  f"more than the engine's max_num_seqs = {engine.llm.args.max_num_seqs}), got {body.n}: "
+                                  "lower n, or send the prompt several times", param="n")
         return None
 
-    async def respond(body: SamplingFields, prompts: list, params: SamplingParams, chat: bool):
+    async def respond(body: SamplingFields, prompts: list[list[int]], params: SamplingParams, chat: bool,
+                      texts: list[str | None], timer: RequestTimer):
         "Run the request and answer it whole or as a stream of server-sent events."
-        reply, timer = OpenAIReply(model_name, chat, params, len(prompts), logprob_format), RequestTimer(metrics)
-        stream = generate_all(engine, prompts, params, reply.id)
+        reply = OpenAIReply(model_name, chat, params, len(prompts), logprob_format)
+        stream = generate_all(engine, prompts, params, reply.id, texts)
         try:  # the first delta comes only once the engine has accepted the prompts: errors are still a 400
             first = await anext(stream)
             deltas = [first] + [x async for x in stream] if not body.stream else None
@@ -365,16 +552,22 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tok
         if not prompts:
             return error_response(400, "prompt is empty: give a string, a list of token ids, or a list of those",
                                   param="prompt")
-        if body.logprobs is not None and not 0 <= body.logprobs <= 5:
-            return error_response(400, f"logprobs must be from 0 to 5 for completions, got {body.logprobs}",
-                                  param="logprobs")
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
+            return error_response(400, f"logprobs must be from 0 to {MAX_COMPLETION_LOGPROBS} for completions, got "
+                                  f"{body.logprobs}", param="logprobs")
         if body.echo:
             return error_response(400, "echo is not supported: join the prompt and the completion yourself", param="echo")
+        timer = RequestTimer(metrics)
         try:
             params = body.sampling_params(body.max_tokens, body.logprobs)
         except ValueError as e:
             return error_response(400, str(e))
-        return await respond(body, prompts, params, chat=False)
+        try:
+            token_ids = await encoder.encode(prompts)
+        except ValueError as e:
+            return error_response(400, str(e), param="prompt")
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        return await respond(body, token_ids, params, False, texts, timer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
@@ -393,12 +586,18 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tok
         k = body.top_logprobs if body.top_logprobs is not None else 0
         if body.top_logprobs is not None and not body.logprobs:
             return error_response(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if not 0 <= k <= MAX_LOGPROBS:
+            return error_response(400, f"top_logprobs must be from 0 to {MAX_LOGPROBS}, got {k}", param="top_logprobs")
+        timer = RequestTimer(metrics)
         try:
-            prompt = engine.llm.apply_chat_template(messages)
             params = body.sampling_params(body.max_completion_tokens or body.max_tokens, k if body.logprobs else None)
         except ValueError as e:
             return error_response(400, str(e))
-        return await respond(body, [prompt], params, chat=True)
+        try:
+            text, token_ids = await encoder.encode_chat(messages)
+        except ValueError as e:
+            return error_response(400, str(e), param="messages")
+        return await respond(body, [token_ids], params, True, [text], timer)
 
     @app.get("/v1/models")
     async def models():
@@ -415,6 +614,8 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tok
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    # subtle: added last, so outermost: a body past the limit is refused before any other middleware reads it
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     return app
 
 # %% ../nbs/13b_server.ipynb #efbd982d
@@ -442,14 +643,15 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(model: str | Path | None = None, tensor_parallel_size: int = 1, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, served_model_name: str | None = None, log_level: str = "warning",
-          **engine_kwargs) -> None:
+          max_request_bytes: int = MAX_REQUEST_BYTES, **engine_kwargs) -> None:
     "Serve a model over OpenAI's API until SIGINT or SIGTERM, then close the engine (workers ended, shared memory freed)."
+    check_max_request_bytes(max_request_bytes)
     sock, engine, previous = bind_socket(host, port), None, signal.getsignal(signal.SIGTERM)
     try:
         llm = LLM(model, tensor_parallel_size, **engine_kwargs)
         engine = AsyncLLM(llm)
         name = served_model_name or (str(model) if model is not None else "minivllm-default")
-        app = build_app(engine, name, api_key, _load_tokenizer(Path(llm.args.model)))
+        app = build_app(engine, name, api_key, _load_tokenizer(Path(llm.args.model)), max_request_bytes)
         server = _Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3), engine)
         shown = f"[{host}]" if ":" in host else host
         logger.info(f"serving {name!r} at http://{shown}:{sock.getsockname()[1]}/v1 (Ctrl-C or SIGTERM stops it)")

@@ -4,6 +4,8 @@ import asyncio
 import json
 import os
 import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -167,6 +169,10 @@ def test_clients_that_drop_mid_stream_leave_no_blocks(tp2):
     ({"model": "tiny", "prompt": "Hi", "top_p": 0}, 400, "top_p must be in (0, 1]"),
     ({"model": "tiny", "prompt": "Hi", "logprobs": 9}, 400, "logprobs must be from 0 to 5"),
     ({"model": "gpt-5", "prompt": "Hi"}, 400, "is not served here"),
+    ({"model": "tiny", "prompt": "Hi", "n": 129}, 400, "n must be at most 128"),
+    ({"model": "tiny", "prompt": "Hi", "n": 10000}, 400, "n must be at most 128"),
+    ({"model": "tiny", "prompt": "x" * 1_000_000}, 400, "max_model_len is 256 tokens"),
+    ({"model": "tiny", "prompt": ["Hi", "x" * 100_000]}, 400, "characters can fit; shorten it"),
 ])
 def test_bad_completion_requests_get_openai_errors_and_the_server_goes_on(tp2, body, status, message):
     r = httpx.post(tp2.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
@@ -189,6 +195,82 @@ def test_keys_json_and_chat_errors(tp2):
     r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": []}, headers=auth)
     assert r.status_code == 400 and "messages is empty" in r.json()["error"]["message"]
     assert httpx.get(url + "/health").status_code == 200  # /health and /metrics need no key
+
+
+def test_a_50mb_body_is_refused_at_once_and_does_not_delay_the_others(tp2):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    good = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    big = json.dumps(good | {"prompt": "a" * 50_000_000}).encode()
+
+    def chunks():  # no Content-Length: the body comes with chunked transfer encoding
+        for i in range(0, len(big), 2**16):
+            yield big[i:i + 2**16]
+
+    def timed(**kw) -> tuple[httpx.Response, float]:
+        start = time.perf_counter()
+        r = httpx.post(tp2.url + "/v1/completions", headers=headers, timeout=120, **kw)
+        return r, time.perf_counter() - start
+
+    usual = min(timed(json=good)[1] for _ in range(3))
+    with ThreadPoolExecutor(3) as pool:
+        declared, chunked = pool.submit(timed, content=big), pool.submit(timed, content=chunks())
+        time.sleep(0.02)  # the big bodies are on their way
+        normal = pool.submit(timed, json=good)
+        (declared, declared_s), (chunked, chunked_s), (normal, normal_s) = (f.result() for f in (declared, chunked, normal))
+    print(f"usual {usual:.3f} s; 50 MB with Content-Length refused in {declared_s:.3f} s, chunked in {chunked_s:.3f} s; "
+          f"a normal request meanwhile {normal_s:.3f} s")
+    for r in (declared, chunked):
+        assert r.status_code == 413, r.text
+        error = r.json()["error"]
+        assert "this server reads at most 4,194,304 bytes" in error["message"] and error["code"] == "request_too_large"
+    assert "the request body has 50,000,0" in declared.json()["error"]["message"]
+    assert declared_s < 1 and chunked_s < 1
+    assert normal.status_code == 200 and normal.json()["usage"]["completion_tokens"] == 8
+    assert normal_s < 3 * usual + 2
+    assert client(tp2).completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_prompts_that_cannot_fit_are_refused_before_tokenizing(tp2):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for path, body in (("/v1/completions", {"model": "tiny", "prompt": "Hello " * 500_000}),
+                       ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "Hi " * 1_000_000}]})):
+        start = time.perf_counter()
+        r = httpx.post(tp2.url + path, json=body, headers=auth, timeout=60)
+        elapsed = time.perf_counter() - start
+        assert r.status_code == 400 and "max_model_len is 256 tokens" in r.json()["error"]["message"], r.text
+        assert elapsed < 1, elapsed  # 3 MB of text: refused by its length, never tokenized
+    c = client(tp2)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs must be from 0 to 20"):
+        c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2, logprobs=True, top_logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="n must be at most 128"):
+        c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2, n=129)
+    assert c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2).usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("content, content_type, message", [
+    (b'{"model": "tiny", "prompt": "caf\xe9"}', "application/json", "the body is not valid UTF-8 (byte 32"),
+    (b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "application/json", "nested too deeply"),
+    (b'{"model": "tiny", "prompt": "Hi", "n": ' + b"1" * 5000 + b"}", "application/json", "cannot be read as JSON"),
+    (b'{"model": "tiny", "prompt": "Hi"', "application/json", "the body is not valid JSON"),
+    (b'["model", "tiny"]', "application/json", "the body must be a JSON object"),
+    (b"", "application/json", "the body is empty"),
+    (b'{"model": "tiny", "prompt": "Hi"}', "text/plain", "the body must be JSON, sent with Content-Type: application/json"),
+    (b"model=tiny&prompt=Hi", "application/x-www-form-urlencoded", "the body must be JSON"),
+])
+def test_malformed_bodies_get_openai_errors_and_the_server_goes_on(tp2, content, content_type, message):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": content_type}
+    r = httpx.post(tp2.url + "/v1/completions", content=content, headers=headers, timeout=60)
+    assert r.status_code == 400 and "detail" not in r.json(), r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error", error
+    assert client(tp2).completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_unknown_paths_and_methods_get_openai_errors(tp2):
+    r = httpx.get(tp2.url + "/v2/models")
+    assert r.status_code == 404 and r.json()["error"]["message"].startswith("there is no /v2/models")
+    r = httpx.get(tp2.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 405 and r.json()["error"]["message"] == "GET is not allowed on /v1/completions: use POST"
 
 
 def test_the_packaged_model_serves_completions_and_refuses_chat_clearly():
