@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import platform
@@ -61,15 +62,26 @@ def attach_shared_memory(name: str):
     except TypeError:
         return _Attached(name)
 
-def create_shared_memory(size: int) -> SharedMemory:
-    "A new untracked segment of `size` bytes, after checking `/dev/shm` has the room (a full tmpfs kills with SIGBUS)."
-    shm_dir = Path("/dev/shm")
-    if shm_dir.is_dir():
-        st = os.statvfs(shm_dir)
-        if st.f_bavail * st.f_frsize < size:
-            raise MemoryError(f"/dev/shm has {st.f_bavail * st.f_frsize / 2**20:.0f} MiB free, fewer than the "
-                              f"{size / 2**20:.0f} MiB this needs: free some, or give the container more shared memory "
-                              "(docker run --shm-size=1g)")
+def _no_room(size: int) -> MemoryError:
+    "The error for a `/dev/shm` without `size` bytes free, with the fix."
+    st = os.statvfs("/dev/shm")
+    return MemoryError(f"/dev/shm has {st.f_bavail * st.f_frsize / 2**20:,.2f} MiB free, fewer than the "
+                       f"{size / 2**20:,.2f} MiB this needs: free some, or give the container more shared memory "
+                       "(docker run --shm-size=1g)")
+
+def _reserve(fd: int, size: int) -> None:
+    "Take all `size` bytes of the new segment `fd` from `/dev/shm` now: `posix_fallocate`, else writing zeros."
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL): raise  # ENOSPC: no room
+    zeros, offset = bytes(min(size, 1 << 20)), 0
+    while offset < size:  # subtle: write() into a full tmpfs fails with ENOSPC, where a store into the mapping is SIGBUS
+        offset += os.pwrite(fd, zeros[:size - offset], offset)
+
+def _new_segment(size: int) -> SharedMemory:
+    "A new untracked segment of `size` bytes, sparse: no page of it is taken yet."
     try:
         return SharedMemory(name=segment_name(), create=True, size=size, track=False)  # Python >= 3.13
     except TypeError:
@@ -77,6 +89,27 @@ def create_shared_memory(size: int) -> SharedMemory:
         shm = _UntrackedSharedMemory(name=segment_name(), create=True, size=size)
         resource_tracker.unregister(shm._name, "shared_memory")  # subtle: `_name` is the registered "/name"
         return shm
+
+def create_shared_memory(size: int) -> SharedMemory:
+    "A new untracked segment of `size` bytes, every page reserved: a `/dev/shm` without room fails here, never later."
+    shm_dir = Path("/dev/shm")
+    if shm_dir.is_dir() and (st := os.statvfs(shm_dir)).f_bavail * st.f_frsize < size:
+        raise _no_room(size)  # before creating anything
+    shm = _new_segment(size)
+    if not shm_dir.is_dir():  # not Linux: no tmpfs quota to run out of
+        return shm
+    try:
+        # subtle: every minivllm segment is made here, so this is the one place that reserves. `_fd` is the segment's
+        # descriptor, which SharedMemory keeps open until close(). Without this, a /dev/shm filled by another program
+        # after the check above kills the first process to touch a fresh page with SIGBUS.
+        _reserve(shm._fd, size)
+    except BaseException as e:
+        shm.close()
+        shm.unlink()
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise _no_room(size) from None
+        raise
+    return shm
 
 class _UntrackedSharedMemory(SharedMemory):
     "A `SharedMemory` that its resource tracker has forgotten: unlinking must not tell the tracker (Python < 3.13)."
