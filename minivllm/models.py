@@ -16,6 +16,7 @@ from .distributed import Communicator
 from .layers.common import RMSNorm, SiluAndMul, get_rope
 from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from .layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from .layers.linear import cpu_gemm_setting
 
 # %% auto #0
 __all__ = ['DecoderAttention', 'DecoderMLP', 'DecoderLayer', 'DecoderModel', 'CausalLM', 'checkpoint_files',
@@ -128,10 +129,11 @@ class CausalLM(nn.Module):
         "The most likely next token of each row, on rank 0 (None on other ranks)."
         return self.lm_head.greedy_tokens(hidden_states)
 
-    def pack_for_cpu(self) -> int:
-        "Pack every linear layer and the LM head for MKL's GEMM (float32 on the CPU: notebooks 03, 04); how many were."
-        linear = sum(m.pack_for_cpu() for m in self.modules() if isinstance(m, LinearBase))
-        return linear + self.lm_head.pack_for_cpu(free_weight=not self.config.tie_word_embeddings)
+    def pack_for_cpu(self, gemm: str | None = None) -> int:
+        "Pack every linear layer and the LM head for the CPU GEMM measured fastest, or `gemm` (notebooks 03, 04); how many were."
+        gemm = cpu_gemm_setting(gemm)  # subtle: read MINIVLLM_CPU_GEMM once for the whole model
+        linear = sum(m.pack_for_cpu(gemm) for m in self.modules() if isinstance(m, LinearBase))
+        return linear + self.lm_head.pack_for_cpu(free_weight=not self.config.tie_word_embeddings, gemm=gemm)
 
 # %% ../nbs/07_models.ipynb #b496581b
 def checkpoint_files(path: str | Path) -> list[Path]:

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..config import check_token_ids
 from ..distributed import Communicator, divide
-from .linear import PackedWeight, mkl_packing_available
+from .linear import LOGIT_ROWS, OneDNNWeight, PackedWeight, choose_gemm, cpu_gemm_setting, pack_weight
 
 # %% auto #0
 __all__ = ['pad_vocab_size', 'vocab_range', 'check_input_ids', 'VocabParallelEmbedding', 'ParallelLMHead']
@@ -97,7 +97,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.packed: PackedWeight | None = None  # the CPU's packed copy of the weight (see "On the CPU")
+        self.packed: PackedWeight | OneDNNWeight | None = None  # the CPU's packed copy (see "On the CPU")
 
     def local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         "This rank's slice of the logits, `[..., num_embeddings_per_rank]` (padding columns included)."
@@ -133,11 +133,11 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 # %% ../../nbs/04_vocab_embedding.ipynb #5b091891
 @patch
-def pack_for_cpu(self: ParallelLMHead, free_weight: bool = False) -> bool:
-    "Compute the logits from an MKL-packed copy of the table (float32, CPU); free the table if `free_weight`."
+def pack_for_cpu(self: ParallelLMHead, free_weight: bool = False, gemm: str | None = None) -> bool:
+    "Compute the logits with the GEMM `choose_gemm` picks for the table (or `gemm` forces); free the table if `free_weight`."
     w = self.weight
-    if self.packed is None and w.dtype == torch.float32 and w.device.type == "cpu" and mkl_packing_available():
-        self.packed = PackedWeight(w)
-        if free_weight:
+    if self.packed is None and w.dtype == torch.float32 and w.device.type == "cpu":
+        self.packed = pack_weight(w, choose_gemm(w, cpu_gemm_setting(gemm), rows=LOGIT_ROWS))
+        if free_weight and self.packed is not None:
             w.data = torch.empty(0, dtype=w.dtype)
     return self.packed is not None

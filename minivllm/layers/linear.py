@@ -5,7 +5,17 @@
 # %% ../../nbs/03_parallel_linear.ipynb #1a948bc6
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +26,12 @@ from ..config import check_tensor_parallel
 from ..distributed import Communicator, divide
 
 # %% auto #0
-__all__ = ['LinearBase', 'ReplicatedLinear', 'ColumnParallelLinear', 'RowParallelLinear', 'MergedColumnParallelLinear',
-           'heads_per_rank', 'QKVParallelLinear', 'mkl_packing_available', 'PackedWeight']
+__all__ = ['GEMM_KERNELS', 'GEMM_ROWS', 'LOGIT_ROWS', 'LinearBase', 'ReplicatedLinear', 'ColumnParallelLinear',
+           'RowParallelLinear', 'MergedColumnParallelLinear', 'heads_per_rank', 'QKVParallelLinear',
+           'mkl_packing_available', 'PackedWeight', 'onednn_packing_available', 'OneDNNWeight', 'gemm_kernels',
+           'pack_weight', 'cpu_gemm_setting', 'time_gemm', 'relative_times', 'pick_gemm', 'cpu_model', 'gemm_cache_key',
+           'gemm_cache_path', 'read_gemm_cache', 'save_gemm_choice', 'machine_busy', 'cores_busy_elsewhere',
+           'quiet_enough', 'choose_gemm']
 
 # %% ../../nbs/03_parallel_linear.ipynb #bb9274af
 class LinearBase(nn.Module):
@@ -29,7 +43,7 @@ class LinearBase(nn.Module):
         self.comm = comm if comm is not None else Communicator()  # a group of one
         self.tp_rank, self.tp_size = self.comm.rank, self.comm.world_size
         self.params_dtype = params_dtype or torch.get_default_dtype()
-        self.packed: PackedWeight | None = None  # the CPU's packed weight, once `pack_for_cpu` ran (see the end)
+        self.packed: PackedWeight | OneDNNWeight | None = None  # the CPU's packed weight, once `pack_for_cpu` ran (the end)
 
     def create_params(self, out_features: int, in_features: int, bias: bool) -> None:
         "Allocate this rank's `(out_features, in_features)` weight (and bias) and attach the loader to them."
@@ -55,14 +69,14 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        "`x Wᵀ + bias` with this rank's weight shard: `F.linear`, or the packed weight once packed."
+        "`x Wᵀ + bias` with this rank's weight shard: `F.linear`, or the packed weight's GEMM once packed."
         return F.linear(x, self.weight, bias) if self.packed is None else self.packed(x, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.bias)
 
     def extra_repr(self) -> str:
-        shard = tuple(self.weight.shape) if self.packed is None else f"{self.packed.shape} (packed)"
+        shard = tuple(self.weight.shape) if self.packed is None else f"{self.packed.shape} (packed: {self.packed.kernel})"
         return (f"input_size={self.input_size}, output_size={self.output_size}, shard={shard}, "
                 f"bias={self.bias is not None}, tp_rank={self.tp_rank}, tp_size={self.tp_size}")
 
@@ -205,6 +219,8 @@ def mkl_packing_available() -> bool:
 
 class PackedWeight:
     "A float32 CPU weight `[out, in]` packed once for MKL: `packed(x, bias)` is `F.linear(x, weight, bias)`."
+    kernel = "mkl"
+
     def __init__(self, weight: torch.Tensor):
         if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
             raise ValueError(f"PackedWeight packs a 2-d float32 CPU weight, got {weight.dtype} {tuple(weight.shape)} "
@@ -227,12 +243,201 @@ class PackedWeight:
 
     def __repr__(self) -> str: return f"PackedWeight({self.shape})"
 
+# %% ../../nbs/03_parallel_linear.ipynb #1bea8a29
+@functools.cache
+def onednn_packing_available() -> bool:
+    "Whether this torch has oneDNN's packed matmul (`torch.ops.mkldnn`): checked once, on a small weight against `F.linear`."
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        w, x = torch.randn(8, 16), torch.randn(3, 16)
+        y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, batch_size=3), None,
+                                               "none", [], "")
+        return torch.allclose(y, F.linear(x, w), rtol=1e-4, atol=1e-5)
+    except (RuntimeError, AttributeError):  # an op that is declared but not built in
+        return False
+
+class OneDNNWeight:
+    "A float32 CPU weight `[out, in]` reordered once for oneDNN: `packed(x, bias)` is `F.linear(x, weight, bias)`."
+    kernel = "onednn"
+
+    def __init__(self, weight: torch.Tensor):
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError(f"OneDNNWeight packs a 2-d float32 CPU weight, got {weight.dtype} {tuple(weight.shape)} "
+                             f"on {weight.device}: keep F.linear for it")
+        if not onednn_packing_available():
+            raise RuntimeError("this torch has no oneDNN packed matmul (torch.ops.mkldnn._linear_pointwise): keep F.linear")
+        self.shape = tuple(weight.shape)
+        # the layout hint is a decode batch of 64 rows, as for MKL's packing; every row count multiplies correctly
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_size=64)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[-1] != self.shape[1] or (bias is not None and bias.shape != self.shape[:1]):
+            raise ValueError(f"input [..., {x.shape[-1]}] and bias {None if bias is None else tuple(bias.shape)} do not "
+                             f"fit a weight of shape {self.shape}")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+    def __repr__(self) -> str: return f"OneDNNWeight({self.shape})"
+
+# %% ../../nbs/03_parallel_linear.ipynb #af4742fd
+GEMM_KERNELS = ("torch", "mkl", "onednn")  # plain F.linear, MKL's packed GEMM, oneDNN's packed matmul
+
+def gemm_kernels() -> list[str]:
+    "The GEMMs this torch can multiply a float32 CPU weight with: `torch` always, each packed one where it is built in."
+    return ["torch"] + ["mkl"] * mkl_packing_available() + ["onednn"] * onednn_packing_available()
+
+def pack_weight(weight: torch.Tensor, kernel: str) -> PackedWeight | OneDNNWeight | None:
+    "`weight` packed for `kernel` (`mkl`, `onednn`), or None for `torch` (`F.linear` on the weight as it is)."
+    if kernel not in GEMM_KERNELS:
+        raise ValueError(f"unknown CPU GEMM {kernel!r}: choose one of {', '.join(GEMM_KERNELS)}")
+    return {"torch": lambda w: None, "mkl": PackedWeight, "onednn": OneDNNWeight}[kernel](weight)
+
+def cpu_gemm_setting(value: str | None = None) -> str:
+    "The CPU GEMM asked for: `value`, else `$MINIVLLM_CPU_GEMM`, else `auto` (measure). Example: `cpu_gemm_setting('MKL') -> 'mkl'`."
+    setting = (value or os.environ.get("MINIVLLM_CPU_GEMM") or "auto").strip().lower()
+    if setting not in ("auto", *GEMM_KERNELS):
+        raise ValueError(f"MINIVLLM_CPU_GEMM={setting!r}: choose auto (measure) or one of {', '.join(GEMM_KERNELS)}")
+    return setting
+
+# %% ../../nbs/03_parallel_linear.ipynb #b11687b3
+GEMM_ROWS = (1, 16, 64, 256)  # decode steps of 1, 16 and 64 sequences, and a chunk of prefill tokens
+LOGIT_ROWS = (1, 16, 64)  # the LM head multiplies one row per sequence, in prefill as in decode
+
+def time_gemm(weight: torch.Tensor, kernels: list[str], rows: tuple[int, ...] = GEMM_ROWS, rounds: int = 7,
+              sample_s: float = 1e-3, clock: Callable[[], float] = time.perf_counter) -> dict[str, list[list[float]]]:
+    "Seconds per call of each kernel on `weight`, `[row count][round]`: the kernels take turns in every round."
+    calls = {}
+    for k in kernels:
+        p = pack_weight(weight, k)
+        calls[k] = (lambda x: F.linear(x, weight)) if p is None else p
+    g, samples = torch.Generator().manual_seed(0), {k: [] for k in kernels}
+    for m in rows:
+        x = torch.randn(m, weight.shape[1], generator=g, dtype=weight.dtype)
+        for call in calls.values(): call(x)  # subtle: oneDNN creates its primitive at the first call of a shape
+        start = clock(); calls[kernels[0]](x); once = clock() - start
+        reps = max(1, min(100, round(sample_s / max(once, 1e-7))))
+        for k in kernels: samples[k].append([])
+        for r in range(rounds):
+            # subtle: alternate the order, so that no kernel always runs right after the same one
+            for k in (kernels if r % 2 == 0 else kernels[::-1]):
+                start = clock()
+                for _ in range(reps): calls[k](x)
+                samples[k][-1].append((clock() - start) / reps)
+    return samples
+
+# %% ../../nbs/03_parallel_linear.ipynb #dcec5a3c
+def relative_times(samples: dict[str, list[list[float]]]) -> dict[str, list[float]]:
+    "Each kernel's time over the fastest's in the same round, median over the rounds, at each row count."
+    rel = {k: [] for k in samples}
+    for per_kernel in zip(*samples.values()):  # one row count: every kernel's samples
+        rounds = list(zip(*per_kernel))  # one round: every kernel's time
+        for j, k in enumerate(samples):
+            rel[k].append(statistics.median(r[j] / min(r) for r in rounds))
+    return rel
+
+def pick_gemm(samples: dict[str, list[list[float]]]) -> str:
+    "The kernel of least mean relative time (`relative_times`) over the row counts; the first listed on a tie."
+    rel = relative_times(samples)
+    return min(rel, key=lambda k: sum(rel[k]))
+
+# %% ../../nbs/03_parallel_linear.ipynb #33a07859
+def cpu_model() -> str:
+    "This CPU's model name and a digest of its feature flags (from /proc/cpuinfo; the platform's name elsewhere)."
+    info = Path("/proc/cpuinfo").read_text(errors="replace") if Path("/proc/cpuinfo").exists() else ""
+    def field(name): return next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith(name)), "")
+    flags = hashlib.sha1((field("flags") or field("Features")).encode()).hexdigest()[:8]
+    return f"{field('model name') or platform.processor() or platform.machine()} [{flags}]"
+
+def gemm_cache_key(weight: torch.Tensor, rows: tuple[int, ...]) -> str:
+    "What a measured choice depends on: CPU, torch version, threads, the weight's dtype and shape, the rows timed."
+    return json.dumps([cpu_model(), torch.__version__, torch.get_num_threads(), str(weight.dtype).removeprefix("torch."),
+                       list(weight.shape), list(rows)])
+
+def gemm_cache_path() -> Path:
+    "The file of measured choices: `cpu_gemm.json` in `$MINIVLLM_CACHE`, else in `~/.cache/minivllm`."
+    return Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm")) / "cpu_gemm.json"
+
+def read_gemm_cache(path: Path) -> dict:
+    "The choices measured before, from the JSON file at `path`; empty if it is missing, unreadable or not a dict."
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+def save_gemm_choice(path: Path, key: str, entry: dict) -> None:
+    "Add `entry` under `key` to the file at `path`, locked against other ranks; a file that cannot be written is skipped."
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(path.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            data = read_gemm_cache(path)
+            data[key] = entry
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data, indent=1))
+            os.replace(tmp, path)  # subtle: readers without the lock see the old file or the new one, never half
+    except OSError as e:
+        logging.getLogger("minivllm").warning(f"could not save the CPU GEMM choice in {path} ({e}): it is measured again next time")
+
+# %% ../../nbs/03_parallel_linear.ipynb #999ae993
+def machine_busy() -> tuple[float, float, float] | None:
+    "Seconds of busy CPU of the whole machine (from /proc/stat, steal time included), of this process, and the clock."
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return None
+    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    return busy, time.process_time(), time.perf_counter()
+
+def cores_busy_elsewhere(before: tuple[float, float, float] | None, after: tuple[float, float, float] | None) -> float:
+    "How many cores other processes kept busy between two `machine_busy` readings (0 where it cannot tell)."
+    # subtle: /proc/stat counts in clock ticks (10 ms): over less than 50 ms its answer is mostly rounding
+    if before is None or after is None or after[2] - before[2] < 0.05:
+        return 0.0
+    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / (after[2] - before[2]))
+
+def quiet_enough(busy_elsewhere: float, threads: int, cores: int) -> bool:
+    "Whether other processes left this process's `threads` their cores (half a core of slack). Example: `(0.3, 2, 2) -> True`."
+    return busy_elsewhere <= max(0, cores - threads) + 0.5
+
+# %% ../../nbs/03_parallel_linear.ipynb #60b7bc59
+def choose_gemm(weight: torch.Tensor, setting: str = "auto", rows: tuple[int, ...] = GEMM_ROWS, cache: Path | None = None,
+                measure: Callable[..., dict[str, list[list[float]]]] | None = None) -> str:
+    "The GEMM for `weight`: the kernel `setting` forces, else the one `measure` (`time_gemm`) found fastest here (cached)."
+    kernels = gemm_kernels()
+    if setting != "auto":
+        if setting not in kernels:
+            raise RuntimeError(f"the CPU GEMM {setting!r} is forced (MINIVLLM_CPU_GEMM) but this torch has only {kernels}")
+        return setting
+    if len(kernels) == 1:
+        return kernels[0]
+    path, key = cache or gemm_cache_path(), gemm_cache_key(weight, rows)
+    entry = read_gemm_cache(path).get(key)
+    if isinstance(entry, dict) and entry.get("kernel") in kernels:
+        return entry["kernel"]
+    logging.getLogger("minivllm").info(f"timing the CPU GEMMs {kernels} on a {tuple(weight.shape)} weight (once per machine)")
+    before = machine_busy()
+    samples = (measure or time_gemm)(weight, kernels, rows)
+    kernel, elsewhere = pick_gemm(samples), cores_busy_elsewhere(before, machine_busy())
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if not quiet_enough(elsewhere, torch.get_num_threads(), cores):
+        logging.getLogger("minivllm").info(f"other processes kept {elsewhere:.1f} cores busy while the CPU GEMMs were "
+                                           f"timed: {kernel} serves now, not saved (measured again next time)")
+        return kernel
+    save_gemm_choice(path, key, {"kernel": kernel, "rows": list(rows), "relative": relative_times(samples),
+                                 "us_per_call": {k: [round(statistics.median(s) * 1e6, 2) for s in per_rows]
+                                                 for k, per_rows in samples.items()}})
+    return kernel
+
 # %% ../../nbs/03_parallel_linear.ipynb #36385c9b
 @patch
-def pack_for_cpu(self: LinearBase) -> bool:
-    "Replace this rank's float32 CPU weight by its MKL-packed copy (freeing the original); whether it is packed."
+def pack_for_cpu(self: LinearBase, gemm: str | None = None) -> bool:
+    "Multiply a float32 CPU weight with the GEMM `choose_gemm` picks (or `gemm` forces), packed once; whether it is packed."
     w = self.weight
-    if self.packed is None and w.dtype == torch.float32 and w.device.type == "cpu" and mkl_packing_available():
-        self.packed = PackedWeight(w)
-        w.data = torch.empty(0, dtype=w.dtype)  # subtle: the Parameter (its name, its loader) stays; its memory goes
+    if self.packed is None and w.dtype == torch.float32 and w.device.type == "cpu":
+        self.packed = pack_weight(w, choose_gemm(w, cpu_gemm_setting(gemm)))
+        if self.packed is not None:
+            w.data = torch.empty(0, dtype=w.dtype)  # subtle: the Parameter (its name, its loader) stays; its memory goes
     return self.packed is not None
