@@ -111,12 +111,16 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=None,
                    help="the longest prompt + completion, in tokens (default: the model's, at most 4096)")
     s.add_argument("--max-num-seqs", type=int, default=256, help="the most requests in one batch (default: %(default)s)")
+    s.add_argument("--max-request-bytes", type=int, default=None,
+                   help="the largest request body the server reads, in bytes; larger ones get a 413 (default: 4 MiB, "
+                        "minivllm.server.MAX_REQUEST_BYTES)")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level; info logs every request (default: %(default)s)")
     add_node_options(s)
     w = sub.add_parser("worker", help="serve an engine's ranks on this machine (several machines: notebook 10a)",
                        description="Start this machine's ranks of an engine started elsewhere with --nnodes, and "
-                                   "serve them until that engine closes.")
+                                   "serve them until that engine closes. Needs the engine's cluster secret in the "
+                                   "environment variable MINIVLLM_CLUSTER_SECRET.")
     w.add_argument("--master-addr", required=True, help="the engine's --master-addr")
     w.add_argument("--master-port", type=int, required=True, help="the engine's --master-port")
     w.add_argument("--node-rank", type=int, required=True, help="this machine's number, 1..nnodes-1")
@@ -169,7 +173,8 @@ def _serve_command(a: argparse.Namespace) -> int:
         Config.from_pretrained(folder, tensor_parallel_size=a.tp, dtype=a.dtype)
     serve(folder if a.model is not None else None, a.tp, a.host, a.port, a.api_key or os.environ.get("MINIVLLM_API_KEY"),
           a.served_model_name or a.model, a.log_level, dtype=a.dtype, max_model_len=a.max_model_len,
-          max_num_seqs=a.max_num_seqs, **_node_kwargs(a))
+          max_num_seqs=a.max_num_seqs, **_node_kwargs(a),
+          **({"max_request_bytes": a.max_request_bytes} if a.max_request_bytes is not None else {}))
     return 0
 
 def _node_kwargs(a: argparse.Namespace) -> dict:
@@ -178,14 +183,15 @@ def _node_kwargs(a: argparse.Namespace) -> dict:
 
 def _worker_command(a: argparse.Namespace) -> int:
     "`minivllm worker`: serve this machine's ranks of an engine started with --nnodes, until it closes."
-    from minivllm.engine.model_runner import ModelRunner
+    from minivllm.engine.model_runner import EngineArgs, ModelRunner
     from minivllm.engine.multinode import run_node
+    from minivllm.engine.wire import secret_from_env
     if not 1 <= a.master_port <= 65535:
         raise ValueError(f"--master-port must be from 1 to 65535 (the engine prints it), got {a.master_port}")
     model = str(resolve_model(a.model)) if a.model is not None else None
     log = lambda line: print(f"minivllm: {line}", file=sys.stderr, flush=True)
-    return run_node(a.master_addr, a.master_port, a.node_rank, ModelRunner, nnodes=a.nnodes, node_addr=a.node_addr,
-                    model=model, timeout_s=a.timeout, log=log)
+    return run_node(a.master_addr, a.master_port, a.node_rank, ModelRunner, args_type=EngineArgs, secret=secret_from_env(),
+                    nnodes=a.nnodes, node_addr=a.node_addr, model=model, timeout_s=a.timeout, log=log)
 
 # the errors a user can cause; OSError covers FileNotFoundError, NotADirectoryError, PermissionError
 USER_ERRORS = (ValueError, TypeError, OSError, RankFailure, RuntimeError)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import importlib.resources
 import logging
-import pickle
 import sys
 import time
 import weakref
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from datetime import timedelta
 from typing import Iterable, Iterator, Sequence as Seq
@@ -25,7 +25,9 @@ from .config import check_token_ids, is_int, resolve_model
 from .distributed import RankFailure, listen_socket, store_server
 from .engine.block_manager import BlockManager
 from .engine.ipc import ShmCommandChannel
-from .engine.multinode import GlooCommandChannel, HeartbeatMonitor, NodeLayout, command_group
+from .engine.multinode import (GlooCommandChannel, HeartbeatMonitor, NodeLayout, command_group, node_claimed,
+                                       publish_engine)
+from .engine.wire import SECRET_ENV, ClusterKey, new_secret, secret_from_env
 from .engine.model_runner import EngineArgs, ModelRunner, run_batch
 from .engine.scheduler import SamplingParams, Scheduler, Sequence
 
@@ -86,7 +88,15 @@ def _load_tokenizer(path: Path):
     "The checkpoint's tokenizer, or None if the folder has none (random test checkpoints)."
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    return transformers.AutoTokenizer.from_pretrained(path)
+    try:
+        return transformers.AutoTokenizer.from_pretrained(path)
+    except (ValueError, ImportError, OSError) as e:  # transformers speaks of sentencepiece and tiktoken here
+        if not (path / "tokenizer.json").exists():
+            raise ValueError(f"cannot load the tokenizer of {path}: it has no tokenizer.json; copy the checkpoint's "
+                             "tokenizer.json into that folder") from None
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot load the tokenizer of {path} ({reason}): check its tokenizer.json and "
+                         "tokenizer_config.json") from None
 
 def _shutdown(state: dict) -> None:
     "Stop the workers (the other machines' first), then leave rank 0's process group: every exit path of an `LLM` ends here, once."
@@ -113,22 +123,26 @@ def _start_ranks(state: dict, args: EngineArgs) -> EngineArgs:
         raise ValueError(f"cannot listen on {args.master_addr}:{args.master_port} ({e.strerror or e}): name an address "
                          "of this machine that the other machines reach (`ip -brief address` lists them), and a "
                          "free port") from None
-    store = monitor = None
+    store = monitor = key = None
     try:
         port = listener.getsockname()[1]
         if args.nnodes > 1:  # the other machines read the engine's arguments from the store, and beat in it
             args = replace(args, master_port=port)
             store = state["store"] = store_server(args.master_addr, port, args.tensor_parallel_size, listener,
                                                   timedelta(seconds=args.timeout_s))
-            store.set("engine/args", pickle.dumps(args))
-            monitor = HeartbeatMonitor(store, layout.remote_ranks)
+            secret = secret_from_env()
+            given, secret = secret is not None, secret or new_secret()
+            key = publish_engine(store, ClusterKey(secret), args)  # sealed: only the secret's holders read it
+            monitor = HeartbeatMonitor(store, layout.remote_ranks, key)
             others = "node 1" if args.nnodes == 2 else f"nodes 1-{args.nnodes - 1}"
-            logger.info(f"waiting for {others} to join: on each, run `minivllm worker --master-addr {args.master_addr} "
-                        f"--master-port {port} --node-rank N`")
+            command = (f"minivllm worker --master-addr {args.master_addr} --master-port {port} --node-rank N")
+            logger.info(f"waiting for {others} to join: on each, with the same {SECRET_ENV}, run `{command}`" if given
+                        else f"waiting for {others} to join: on each, run `{SECRET_ENV}={secret} {command}` (no "
+                             f"{SECRET_ENV} was set here, so this engine made one)")
         channel = None
         if layout.ranks_per_node > 1:
             channel = state["channel"] = ShmCommandChannel(layout.ranks_per_node - 1)
-            channel.start_workers(ModelRunner, args, port)
+            channel.start_workers(partial(ModelRunner, cluster_key=key) if store is not None else ModelRunner, args, port)
 
         def peers_alive() -> None:
             if channel is not None: channel.check()
@@ -136,16 +150,18 @@ def _start_ranks(state: dict, args: EngineArgs) -> EngineArgs:
 
         try:
             runner = state["runner"] = ModelRunner(0, args, peers_alive=peers_alive,
-                                                   listener=listener if store is None else None, store=store)
+                                                   listener=listener if store is None else None, store=store,
+                                                   cluster_key=key)
         except RankFailure as e:  # name the machines that never came, and the command that brings them
-            absent = [n for n in range(1, args.nnodes) if store is not None and not store.check([f"node/{n}"])]
+            absent = [n for n in range(1, args.nnodes) if store is not None and not node_claimed(store, key, n)]
             if not absent:
                 raise
             raise RankFailure(f"{e}: node {', '.join(map(str, absent))} never joined; on each, run `minivllm worker "
-                              f"--master-addr {args.master_addr} --master-port {port} --node-rank N`") from None
+                              f"--master-addr {args.master_addr} --master-port {port} --node-rank N` with this "
+                              f"engine's {SECRET_ENV}") from None
         if store is not None:
             group = command_group(store, 0, len(layout.remote_ranks) + 1, args.master_addr)
-            state["remote"] = GlooCommandChannel(group, monitor, timeout_s=args.timeout_s)
+            state["remote"] = GlooCommandChannel(group, key, ModelRunner.COMMANDS, monitor, timeout_s=args.timeout_s)
         if runner.threads is not None and channel is not None:  # the workers' CPU time is the engine's, not load
             runner.threads.pids |= {p.pid for p in channel.processes.values()}
     finally:

@@ -285,6 +285,21 @@ def test_two_engines_side_by_side(tiny):
     assert [r[0].strip() for r in results] == [str(here)] * 2
 
 
+def test_a_checkpoint_without_tokenizer_json_names_the_file_and_the_folder(tmp_path):
+    "tokenizer_config.json but no tokenizer.json: the error names both, not transformers' sentencepiece or tiktoken."
+    import shutil
+    from minivllm.llm import DEFAULT_MODEL
+    folder = tmp_path / "no-tokenizer-json"
+    shutil.copytree(DEFAULT_MODEL, folder)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match=rf"cannot load the tokenizer of {folder}: it has no tokenizer.json") as e:
+        LLM(folder)
+    assert "sentencepiece" not in str(e.value) and "tiktoken" not in str(e.value)
+    r = subprocess.run([sys.executable, "-m", "minivllm", "generate", "hi", "--model", str(folder), "--quiet"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "it has no tokenizer.json" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_cli_generate_on_a_checkpoint_without_tokenizer_is_a_clear_error(tiny):
     r = subprocess.run([sys.executable, "-m", "minivllm", "generate", "hello", "--model", str(tiny), "--quiet"],
                        capture_output=True, text=True, timeout=120)

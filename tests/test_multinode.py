@@ -1,6 +1,8 @@
 """Tensor-parallel ranks on two machines (notebook 10a): two `minivllm worker`-joined "hosts" on one machine give the
 tokens of TP=1 and of one host; a host that disappears is named in a `RankFailure`, and nothing is left behind.
-Where root and `ip netns` allow, the second host lives in its own network namespace with its own /dev/shm."""
+Where root and `ip netns` allow, the second host lives in its own network namespace with its own /dev/shm.
+What crosses the machines is authenticated with the cluster's secret: a store client without it can neither run
+code on a worker, nor stop the engine, nor take a node's place."""
 from __future__ import annotations
 
 import contextlib
@@ -17,11 +19,20 @@ import pytest
 from minivllm import LLM, SamplingParams
 from minivllm.cli import main as cli_main
 from minivllm.distributed import RankFailure, free_port, listen_socket
+from minivllm.engine.wire import SECRET_ENV, new_secret
 from minivllm.testing import (WorkerNode, gone, leftover_segments, make_tiny_checkpoint, rank_processes, shm_segments,
                               tcp_listeners, wait_until)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 60))]
+
+
+@pytest.fixture(autouse=True)
+def cluster_secret(monkeypatch):
+    "Every machine of an engine holds the same secret (here: this process, and the workers and servers it starts)."
+    secret = new_secret()
+    monkeypatch.setenv(SECRET_ENV, secret)
+    return secret
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +81,8 @@ def test_the_packaged_model_on_two_hosts():
     prompts, params = ["ROMEO:", "To be, or not", "The king"], SamplingParams(temperature=0.0, max_tokens=24)
     first = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)  # the prefill's top-5 log-probabilities
     with LLM(dtype="float32") as llm:
-        # six prompts of 1,000 tokens of the model's own text: their prefill's command needs two broadcasts
-        written = llm.generate(["ROMEO:", "JULIET:", "HAMLET:", "First Citizen:", "KING:", "Enter"],
+        # eight prompts of 1,000 tokens of the model's own text: their prefill's command needs two broadcasts
+        written = llm.generate(["ROMEO:", "JULIET:", "HAMLET:", "First Citizen:", "KING:", "Enter", "QUEEN:", "Exeunt"],
                                SamplingParams(temperature=1.0, seed=0, max_tokens=1000, ignore_eos=True), use_tqdm=False)
         long_prompts = [o.prompt_token_ids + o.token_ids for o in written]
         reference = [o.text for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -80,11 +91,12 @@ def test_the_packaged_model_on_two_hosts():
         assert [o.text for o in llm.generate(prompts, params, use_tqdm=False)] == reference
         one_host = top_logprobs(llm, long_prompts, first)
     assert_same_logprobs(one_host, long_reference, FLOAT32)
-    from minivllm.engine.ipc import encode_command
-    from minivllm.engine.model_runner import StepInputs
+    from minivllm.engine.model_runner import ModelRunner, StepInputs
     from minivllm.engine.multinode import INLINE_BYTES
-    prefill = StepInputs(True, sum(long_prompts, []), [0] * 6, [len(p) for p in long_prompts], [list(range(63))] * 6)
-    assert len(encode_command("run", prefill)) > INLINE_BYTES
+    from minivllm.engine.wire import CommandCodec
+    n = len(long_prompts)
+    prefill = StepInputs(True, sum(long_prompts, []), [0] * n, [len(p) for p in long_prompts], [list(range(63))] * n)
+    assert len(CommandCodec(ModelRunner.COMMANDS).encode("run", prefill)) > INLINE_BYTES
     from minivllm.llm import DEFAULT_MODEL
     port = free_port()
     with WorkerNode("127.0.0.1", port) as node:
@@ -161,7 +173,7 @@ def group_gone(pgid: int) -> bool:
 
 
 def test_the_remote_ranks_exit_when_the_engine_dies(tiny):
-    "rank 0's process killed: the other host's ranks notice its store is gone, and the agent ends."
+    "rank 0's process killed: the other host's ranks notice its store is gone, and the agent ends within seconds, saying so in one line."
     port = free_port()
     script = (f"from minivllm import LLM; llm = LLM({str(tiny)!r}, tensor_parallel_size=2, nnodes=2, master_port={port}); "
               "print('up', flush=True); import time; time.sleep(600)")
@@ -171,9 +183,14 @@ def test_the_remote_ranks_exit_when_the_engine_dies(tiny):
         remote = node.ranks
         engine.kill()
         engine.wait()
+        start = time.monotonic()
         assert node.wait(60) != 0
+        took = time.monotonic() - start
     for pid in remote:
         assert wait_gone(pid)
+    assert took < 15, took  # within seconds, and in one line: no C++ stack, no traceback per rank
+    after_start = [line for line in node.log if line.strip()][1:]
+    assert len(after_start) == 1 and "the engine at 127.0.0.1:" in after_start[0] and "is gone" in after_start[0], node.log
 
 
 def test_bad_multi_host_inputs_are_one_line_errors(tiny, capsys):
@@ -185,6 +202,12 @@ def test_bad_multi_host_inputs_are_one_line_errors(tiny, capsys):
                "--timeout", "1"], "no engine answered at 127.0.0.1:")]
     for argv, message in cases:
         assert cli_main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    for secret, message in ((None, f"set {SECRET_ENV} to the engine's cluster secret"), ("short", "at least 16 characters")):
+        with pytest.MonkeyPatch.context() as env:
+            env.delenv(SECRET_ENV) if secret is None else env.setenv(SECRET_ENV, secret)
+            assert cli_main(["worker", "--master-addr", "127.0.0.1", "--master-port", "1", "--node-rank", "1"]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
 
@@ -311,3 +334,90 @@ def test_a_machine_whose_checkpoint_is_broken_is_named(tiny, tmp_path, tp):
     assert not leftover_segments(before)
     with LLM(tiny) as llm:  # the process is still usable
         assert tokens(llm, [[1, 2, 3]])
+
+
+# ---- a store client without the secret (anyone who reaches rank 0's port) ----
+
+def start_engine(model, port: int, **kwargs):
+    "An `LLM(..., nnodes=2)` being built in a thread (it waits for node 1): the thread, and a dict that gets 'llm' or 'error'."
+    out = {}
+    def build():
+        try:
+            out["llm"] = LLM(model, tensor_parallel_size=2, nnodes=2, master_port=port, **kwargs)
+        except Exception as e:
+            out["error"] = e
+    thread = threading.Thread(target=build, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def stranger(port: int):
+    "A plain store client of rank 0's rendezvous, once the engine has published its arguments."
+    import torch.distributed as dist
+    assert wait_until(lambda: _listening(port), 60)
+    client = dist.TCPStore("127.0.0.1", port, is_master=False)
+    assert wait_until(lambda: client.check(["engine/args"]), 60)
+    return client
+
+
+def _listening(port: int) -> bool:
+    import socket
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+class Canary:
+    "A pickle that, loaded, creates the file `path` (an attacker's would run any code)."
+    def __init__(self, path): self.path = str(path)
+    def __reduce__(self): return (open, (self.path, "w"))
+
+
+def test_a_store_client_cannot_run_code_on_a_worker(tiny, tmp_path):
+    "The engine's arguments replaced by a pickle in the store: the worker refuses them in one line, runs nothing, and the engine's start fails clearly."
+    import pickle
+    before = shm_segments()
+    canary = tmp_path / "canary"
+    port = free_port()
+    thread, out = start_engine(tiny, port, timeout_s=20)
+    client = stranger(port)
+    client.set("engine/args", pickle.dumps(Canary(canary)))
+    with WorkerNode("127.0.0.1", port) as node:
+        assert node.wait() == 2
+    assert not canary.exists()
+    assert any("'engine/args' from the engine at 127.0.0.1" in line and "fails authentication" in line
+               for line in node.log), node.log
+    assert len([line for line in node.log if line.strip()]) == 1, node.log  # one line, no traceback
+    thread.join(120)
+    assert isinstance(out.get("error"), RankFailure) and "node 1 never joined" in str(out["error"]), out
+    assert not canary.exists()
+    assert not leftover_segments(before)
+
+
+def test_a_store_client_can_neither_stop_the_engine_nor_take_a_node(tiny, cluster_secret):
+    "A stranger squats node 1, a worker with another secret is refused, the right worker joins; forged error, name and pulse of rank 1 change nothing."
+    with LLM(tiny) as llm:
+        reference = tokens(llm)
+    port = free_port()
+    thread, out = start_engine(tiny, port)
+    client = stranger(port)
+    client.set("node/1", "taken by a stranger")
+    with WorkerNode("127.0.0.1", port, prefix=("env", f"{SECRET_ENV}={new_secret()}")) as impostor:
+        assert impostor.wait() == 2
+    assert any("fails authentication" in line and SECRET_ENV in line for line in impostor.log), impostor.log
+    with WorkerNode("127.0.0.1", port) as node:
+        thread.join(120)
+        assert "llm" in out, out
+        with out["llm"] as llm:
+            client.set("error/1", "injected by an outside store client")
+            client.set("where/1", "rank 1 on the stranger's machine")
+            long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+            for i, _ in enumerate(llm.stream([[1, 2, 3]], long)):
+                client.set("beat/1", "garbage")  # every step, a pulse that is not rank 1's
+                llm.remote.check(now=True)       # what every wait on the other machines does: no RankFailure
+            assert tokens(llm) == reference
+            assert llm.remote.monitor.where(1) == "rank 1"  # not the stranger's name for it
+            assert {"error/1", "where/1"} <= llm.remote.monitor.forged
+        assert node.wait() == 0

@@ -20,7 +20,8 @@ import torch
 from ..config import Config, check_positive_int, is_int
 from ..distributed import ProcessGroupCommunicator
 from ..shm_allreduce import make_communicator
-from .multinode import STALE_S, NodeLayout, node_label
+from .multinode import STALE_S, NodeLayout, node_label, prove_membership
+from .wire import ClusterKey
 from .scheduler import ScheduledBatch, Scheduler, context_lengths, token_positions
 from ..kv_cache import allocate_kv_cache, cpu_decode_kernel, decode_metadata, kv_cache_bytes_per_block, prefill_metadata
 from ..layers.common import GREEDY_TEMPERATURE, Sampler, apply_penalties, token_logprobs
@@ -272,10 +273,13 @@ class ThreadPolicy:
 # %% ../../nbs/11_model_runner.ipynb #13ae0926
 class ModelRunner:
     "One rank's sharded model, KV-cache shard and (rank 0) sampler; `run` computes a scheduled step."
+    COMMANDS = {"run": (StepInputs,)}  # what a rank on another machine serves: the schema of its commands (notebook 09a)
+
     def __init__(self, rank: int, args: EngineArgs, port: int | None = None,
                  peers_alive: Callable[[], None] | None = None, listener: socket.socket | None = None,
-                 store=None, node_addr: str | None = None):
+                 store=None, node_addr: str | None = None, cluster_key: ClusterKey | None = None):
         self.rank, self.args, self.world_size = rank, args, args.tensor_parallel_size
+        self.cluster_key = cluster_key  # several machines: the key every rank proves it holds (notebook 10a)
         self.layout = NodeLayout(self.world_size, args.nnodes)
         self.block_size = args.kvcache_block_size
         self.device = torch.device(f"cuda:{self.layout.local_rank(rank)}" if args.device == "cuda" else "cpu")
@@ -306,11 +310,18 @@ class ModelRunner:
                                      peers_alive=peers_alive, slot_bytes=self._slot_bytes(),
                                      **({"listener": listener} if listener is not None else {}))
         # several machines: no shared memory between them, so every collective goes through the process groups
+        if self.cluster_key is None:
+            raise ValueError("ranks on several machines need the cluster's key (cluster_key=), which every rank proves")
         comm = ProcessGroupCommunicator.connect(
             self.rank, self.world_size, port, store=store, host=args.master_addr, bind=node_addr or args.master_addr,
             node=node_label(self.layout.node_of(self.rank)), backend="nccl" if args.device == "cuda" else "gloo",
             timeout_s=args.timeout_s, peers_alive=peers_alive)
         comm.watch.settle_s = STALE_S + 1  # subtle: a collective a remote rank broke waits for its heartbeat to name it
+        try:
+            prove_membership(comm, self.cluster_key)  # no stranger in the group, whatever it wrote to the store
+        except BaseException:
+            comm.close()
+            raise
         return comm
 
     def _slot_bytes(self) -> int:

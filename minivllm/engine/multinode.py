@@ -5,8 +5,9 @@
 # %% ../../nbs/10a_multi_node.ipynb #f390f7a1
 from __future__ import annotations
 
+import logging
 import os
-import pickle
+import secrets
 import socket
 import struct
 import threading
@@ -16,16 +17,19 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Callable
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from ..distributed import RankFailure, RankProcess, end_processes, run_on_ranks, shutdown_groups
-from .ipc import OwnerDied, decode_command, encode_command, worker_loop
+from .ipc import OwnerDied, worker_loop
+from .wire import SECRET_ENV, ClusterKey, CommandCodec, Untrusted, fields_from_wire, fields_to_wire
 
 # %% auto #0
-__all__ = ['HEARTBEAT_S', 'STALE_S', 'INLINE_BYTES', 'NodeLayout', 'node_label', 'address_towards', 'Heartbeat',
-           'HeartbeatMonitor', 'command_group', 'GlooCommandChannel', 'GlooCommandReceiver', 'run_node',
-           'time_command_paths']
+__all__ = ['HEARTBEAT_S', 'STALE_S', 'log', 'INLINE_BYTES', 'MAX_COMMAND_BYTES', 'ENGINE_KEY', 'ENGINE_GONE', 'NodeLayout',
+           'node_label', 'address_towards', 'Heartbeat', 'HeartbeatMonitor', 'prove_membership', 'command_group',
+           'GlooCommandChannel', 'GlooCommandReceiver', 'publish_engine', 'read_engine', 'claim_node', 'node_claimed',
+           'engine_answers', 'run_node', 'time_command_paths']
 
 # %% ../../nbs/10a_multi_node.ipynb #0b3f5332
 @dataclass(frozen=True)
@@ -79,23 +83,27 @@ def address_towards(host: str) -> str:
 # %% ../../nbs/10a_multi_node.ipynb #c53ac4a3
 HEARTBEAT_S = 0.2  # a remote rank's pulse
 STALE_S = 5.0      # no pulse for this long: the rank, its machine or the network to it is gone
+_COUNT = struct.Struct("<Q")
+log = logging.getLogger("minivllm")
 
 class Heartbeat:
-    "A remote rank's pulse in rank 0's store (a counter it adds to every `interval_s`), and its news of rank 0's death."
-    def __init__(self, store: dist.TCPStore, rank: int, where: str, interval_s: float = HEARTBEAT_S):
-        self.rank, self.interval_s, self.lost = rank, interval_s, None
+    "A remote rank's signed pulse in rank 0's store (a count it rewrites every `interval_s`), its signed reports, and its news of rank 0's death."
+    def __init__(self, store: dist.TCPStore, rank: int, where: str, key: ClusterKey, interval_s: float = HEARTBEAT_S):
+        self.rank, self.key, self.interval_s, self.lost = rank, key, interval_s, None
         self._address = f"{store.host}:{store.port}"
         # subtle: a client of its own, so that the pulse never waits behind the main thread's use of the store
         self._store = dist.TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=2 * STALE_S))
-        self._store.set(f"where/{rank}", where)
+        self._store.set(f"where/{rank}", key.sign(where.encode(), f"where/{rank}"))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name=f"minivllm-heartbeat-{rank}", daemon=True)
         self._thread.start()
 
     def _beat(self) -> None:
+        count = 0
         while not self._stop.wait(self.interval_s):
-            try:
-                self._store.add(f"beat/{self.rank}", 1)
+            count += 1
+            try:  # subtle: `set`, not the store's `add`: a value a stranger wrote cannot make the pulse fail
+                self._store.set(f"beat/{self.rank}", self.key.sign(_COUNT.pack(count), f"beat/{self.rank}"))
             except Exception as e:  # the store is gone, and rank 0 with it (or the network to it)
                 self.lost = f"rank 0's store at {self._address} stopped answering ({str(e).splitlines()[0]})"
                 return
@@ -106,8 +114,8 @@ class Heartbeat:
             raise OwnerDied(f"rank {self.rank}: {self.lost}; exiting")
 
     def report(self, text: str) -> None:
-        "Leave `text` (how this rank failed) where rank 0 looks; nobody to tell if rank 0 is gone."
-        try: self._store.set(f"error/{self.rank}", text)
+        "Leave `text` (how this rank failed), signed, where rank 0 looks; nobody to tell if rank 0 is gone."
+        try: self._store.set(f"error/{self.rank}", self.key.sign(text.encode(), f"error/{self.rank}"))
         except Exception: pass
 
     def close(self) -> None:
@@ -116,16 +124,31 @@ class Heartbeat:
         self._thread.join(timeout=2 * STALE_S)
 
 class HeartbeatMonitor:
-    "Rank 0's watch over the remote ranks: `check` raises `RankFailure` for one that reported an error, or whose pulse stopped."
-    def __init__(self, store: dist.Store, ranks: list[int], stale_s: float = STALE_S, every_s: float = 0.25):
-        self.store, self.ranks, self.stale_s, self.every_s = store, list(ranks), stale_s, every_s
+    "Rank 0's watch over the remote ranks: `check` raises `RankFailure` for one that reported an error, or whose pulse stopped; a stranger's writes are ignored."
+    def __init__(self, store: dist.Store, ranks: list[int], key: ClusterKey, stale_s: float = STALE_S,
+                 every_s: float = 0.25):
+        self.store, self.ranks, self.key, self.stale_s, self.every_s = store, list(ranks), key, stale_s, every_s
         self._beats: dict[int, int] = {}
         self._heard: dict[int, float] = {}
         self._next = 0.0
+        self.forged: set[str] = set()  # keys where a value without the secret's signature was found (warned once)
+
+    def _read(self, name: str) -> bytes | None:
+        "The signed value of key `name` (None if absent, or forged: then a warning, once per key)."
+        if not self.store.check([name]):
+            return None
+        try:
+            return self.key.verify(self.store.get(name), name, "the rendezvous store")
+        except Untrusted as e:
+            if name not in self.forged:
+                self.forged.add(name)
+                log.warning(f"ignored {e}; is someone else writing to the store? (a cluster's network must be private)")
+            return None
 
     def where(self, rank: int) -> str:
         "The rank as it named itself. Example: `'rank 2 on node 1 (host-b)'`."
-        return self.store.get(f"where/{rank}").decode() if self.store.check([f"where/{rank}"]) else f"rank {rank}"
+        named = self._read(f"where/{rank}")
+        return named.decode("utf-8", "replace") if named is not None else f"rank {rank}"
 
     def check(self, now: bool = False) -> None:
         "Raise `RankFailure` if a remote rank failed; reads the store at most every `every_s` seconds unless `now`."
@@ -134,20 +157,44 @@ class HeartbeatMonitor:
             return
         self._next = t + self.every_s
         for r in self.ranks:
-            if self.store.check([f"error/{r}"]):
-                raise RankFailure(f"{self.where(r)} {self.store.get(f'error/{r}').decode()}")
-            if not self.store.check([f"beat/{r}"]):
-                continue  # it has not started beating yet: the rendezvous' timeout covers a rank that never comes
-            beats = self.store.add(f"beat/{r}", 0)
-            if beats != self._beats.get(r):
-                self._beats[r], self._heard[r] = beats, t
+            if (error := self._read(f"error/{r}")) is not None:
+                raise RankFailure(f"{self.where(r)} {error.decode('utf-8', 'replace')}")
+            present = self.store.check([f"beat/{r}"])
+            beat = self._read(f"beat/{r}") if present else None
+            if beat is None:
+                # subtle: not started yet (the rendezvous' timeout covers a rank that never comes), or overwritten by
+                # a stranger: unknown is not stale, so a forgery can delay naming a lost machine but never stop the engine
+                if present: self._heard[r] = t
+                continue
+            count = _COUNT.unpack(beat)[0] if len(beat) == _COUNT.size else -1
+            if count > self._beats.get(r, -1):
+                self._beats[r], self._heard[r] = count, t
             elif t - self._heard[r] > self.stale_s:
                 raise RankFailure(f"{self.where(r)} has not been heard from for {t - self._heard[r]:.1f} s: its "
                                   "process, its machine or the network to it is gone")
 
+# %% ../../nbs/10a_multi_node.ipynb #83c7ec58
+_NONCE = 16
+
+def prove_membership(comm, key: ClusterKey) -> None:
+    "Every rank of `comm` signs rank 0's fresh nonce and checks every rank's tag: `RankFailure` naming a rank without the secret."
+    nonce = torch.frombuffer(bytearray(secrets.token_bytes(_NONCE)), dtype=torch.uint8) if comm.rank == 0 else \
+        torch.zeros(_NONCE, dtype=torch.uint8)
+    nonce = comm.broadcast(nonce).numpy().tobytes()
+    tag = key.sign(nonce, f"member/{comm.rank}")[:-_NONCE]  # the HMAC tag alone: everyone has the nonce
+    tags = comm.all_gather(torch.frombuffer(bytearray(tag), dtype=torch.uint8)).numpy().tobytes()
+    for r in range(comm.world_size):
+        try:
+            key.verify(tags[r * len(tag):(r + 1) * len(tag)] + nonce, f"member/{r}", f"rank {r}")
+        except Untrusted:
+            raise RankFailure(f"rank {r} of the group does not hold this engine's cluster secret: its machine has "
+                              "another MINIVLLM_CLUSTER_SECRET, or a process without it took that rank's place in the "
+                              "rendezvous (a cluster's network must be private)") from None
+
 # %% ../../nbs/10a_multi_node.ipynb #707b529a
 INLINE_BYTES = 16 * 1024  # a command this long goes in one broadcast (decode commands of hundreds of sequences fit)
-_LENGTH = struct.Struct("<Q")
+MAX_COMMAND_BYTES = 1 << 30  # a longer head is refused before anything is allocated for it
+_HEAD = struct.Struct("<QQ")  # the signed command's length, its number
 _IDLE = timedelta(days=365)  # how long a command may take to come: the engine may idle for as long as it likes
 
 def command_group(store: dist.Store, rank: int, size: int, address: str) -> dist.ProcessGroup:
@@ -165,14 +212,16 @@ def _broadcast(group, x: torch.Tensor):
 
 # %% ../../nbs/10a_multi_node.ipynb #225cd146
 class GlooCommandChannel:
-    "Rank 0's end of the commands to the remote ranks: a gloo broadcast of the pickle behind its length (two when long)."
-    def __init__(self, group, monitor: HeartbeatMonitor | None = None, inline_bytes: int = INLINE_BYTES,
-                 timeout_s: float = 300.0):
+    "Rank 0's end of the commands to the remote ranks: a gloo broadcast of the signed command behind its head (two when long)."
+    def __init__(self, group, key: ClusterKey, commands: dict[str, tuple], monitor: HeartbeatMonitor | None = None,
+                 inline_bytes: int = INLINE_BYTES, timeout_s: float = 300.0):
         if inline_bytes < 64:
             raise ValueError(f"inline_bytes must be at least 64, got {inline_bytes}")
-        self.group, self.monitor, self.inline_bytes, self.timeout_s = group, monitor, inline_bytes, timeout_s
+        self.group, self.key, self.monitor, self.inline_bytes, self.timeout_s = group, key, monitor, inline_bytes, timeout_s
+        self.codec = CommandCodec({**commands, "exit": ()})
         self._buffer = torch.zeros(inline_bytes, dtype=torch.uint8)
         self._pending: list = []  # (work, tensor) of the last command, until it is sent
+        self._number = 0  # commands sent: each is signed with its number, so none can be replayed or reordered
         self.failed = False
 
     @property
@@ -183,7 +232,9 @@ class GlooCommandChannel:
         self.wait()
         if self.closed:
             raise RuntimeError("the command channel to the other machines is closed")
-        data = _LENGTH.pack(len(encoded := encode_command(method, *args))) + encoded
+        self._number += 1
+        signed = self.key.sign(self.codec.encode(method, *args), f"command/{self._number}")
+        data = _HEAD.pack(len(signed), self._number) + signed
         head, rest = data[:self.inline_bytes], data[self.inline_bytes:]
         self._buffer[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
         self._pending = [(_broadcast(self.group, self._buffer), self._buffer)]
@@ -246,10 +297,13 @@ class GlooCommandChannel:
 
 # %% ../../nbs/10a_multi_node.ipynb #494c2816
 class GlooCommandReceiver:
-    "A remote rank's end: wait (as long as the engine idles) for rank 0's next broadcast; its length, then its command."
-    def __init__(self, group, heartbeat: Heartbeat | None = None, inline_bytes: int = INLINE_BYTES):
-        self.group, self.heartbeat, self.inline_bytes = group, heartbeat, inline_bytes
+    "A remote rank's end: wait (as long as the engine idles) for rank 0's next broadcast; check its head and signature, then decode it by schema."
+    def __init__(self, group, key: ClusterKey, commands: dict[str, tuple], heartbeat: Heartbeat | None = None,
+                 inline_bytes: int = INLINE_BYTES, sender: str = "rank 0"):
+        self.group, self.key, self.heartbeat, self.inline_bytes, self.sender = group, key, heartbeat, inline_bytes, sender
+        self.codec = CommandCodec({**commands, "exit": ()})
         self._buffer = torch.zeros(inline_bytes, dtype=torch.uint8)
+        self._number = 0  # the last command's number: the next must carry the one after
 
     def _wait(self, work) -> None:
         "Wait for a broadcast, checking every 50 ms that rank 0 is still there (`OwnerDied` if not)."
@@ -269,15 +323,22 @@ class GlooCommandReceiver:
             raise OwnerDied(f"the command broadcast from rank 0 failed ({str(e).splitlines()[0]}); exiting") from None
 
     def recv(self) -> tuple[str, tuple]:
-        "The next command `(method, args)`; `OwnerDied` if rank 0 is gone."
+        "The next command `(method, args)`; `OwnerDied` if rank 0 is gone, `Untrusted` if the command is not rank 0's."
         self._wait(_broadcast(self.group, self._buffer))
         data = self._buffer.numpy().tobytes()
-        length = _LENGTH.unpack_from(data)[0] + _LENGTH.size
-        if length > self.inline_bytes:
-            tail = torch.empty(length - self.inline_bytes, dtype=torch.uint8)
+        length, number = _HEAD.unpack_from(data)
+        if length > MAX_COMMAND_BYTES:
+            raise Untrusted(f"a command from {self.sender} claims {length} bytes, more than MAX_COMMAND_BYTES "
+                            f"({MAX_COMMAND_BYTES}): refused before reading it")
+        end = _HEAD.size + length
+        if end > self.inline_bytes:
+            tail = torch.empty(end - self.inline_bytes, dtype=torch.uint8)
             self._wait(_broadcast(self.group, tail))
             data += tail.numpy().tobytes()
-        return decode_command(data[_LENGTH.size:length])
+        self._number += 1
+        if number != self._number:
+            raise Untrusted(f"a command from {self.sender} is number {number} where {self._number} was due: refused")
+        return self.codec.decode(self.key.verify(data[_HEAD.size:end], f"command/{number}", self.sender), self.sender)
 
     def report_error(self, text: str) -> None:
         "Tell rank 0 this rank raised, with its traceback (what `worker_loop` calls)."
@@ -293,108 +354,175 @@ class GlooCommandReceiver:
 # %% ../../nbs/10a_multi_node.ipynb #85a5876b
 class _Recorder:
     "A handler that keeps what it was sent (the demonstrations and the benchmark below)."
-    def __init__(self): self.got = []
-    def take(self, payload): self.got.append(payload)
+    COMMANDS = {"take": (bytes,)}  # what it serves: the schema of its commands
+    def __init__(self, rank: int = 0): self.got = []
+    def take(self, payload: bytes): self.got.append(payload)
 
-def _serve_commands(comm, payloads: list, inline_bytes: int) -> list:
+def _serve_commands(comm, payloads: list[bytes], inline_bytes: int, secret: str) -> tuple[bool, list[bytes]] | None:
     "Rank 0 sends each payload over a `GlooCommandChannel`, rank 1 serves them with `worker_loop`; what rank 1 got, back on rank 0."
+    key = ClusterKey(secret).scoped("demo")
     if comm.rank == 0:
-        channel = GlooCommandChannel(comm.cpu_group, inline_bytes=inline_bytes)
+        channel = GlooCommandChannel(comm.cpu_group, key, _Recorder.COMMANDS, inline_bytes=inline_bytes)
         for p in payloads:
             channel.call("take", p, wait=False)
         channel.call("exit")
         channel.group = None  # subtle: the group is run_on_ranks'; its communicator closes it
         return _received(comm, None)
-    receiver, handler = GlooCommandReceiver(comm.cpu_group, inline_bytes=inline_bytes), _Recorder()
+    receiver, handler = GlooCommandReceiver(comm.cpu_group, key, _Recorder.COMMANDS, inline_bytes=inline_bytes), _Recorder()
     exited = worker_loop(receiver, handler)
     receiver.close()
     return _received(comm, (exited, handler.got))
 
 def _received(comm, mine):
-    "Rank 1's `mine`, on rank 0 (a length, then a pickle, as above)."
+    "Rank 1's `mine`, on rank 0 (a length, then MessagePack, as above)."
     if comm.rank == 1:
-        data = pickle.dumps(mine)
+        data = msgspec.msgpack.encode(mine)
         comm.broadcast(torch.tensor([len(data)]), src=1)
         comm.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=1)
         return None
     n = int(comm.broadcast(torch.zeros(1, dtype=torch.int64), src=1))
-    return pickle.loads(comm.broadcast(torch.empty(n, dtype=torch.uint8), src=1).numpy().tobytes())
+    return msgspec.msgpack.decode(comm.broadcast(torch.empty(n, dtype=torch.uint8), src=1).numpy().tobytes(),
+                                  type=tuple[bool, list[bytes]])
 
 # %% ../../nbs/10a_multi_node.ipynb #741bb78b
-def _remote_rank_main(rank: int, master_addr: str, master_port: int, node: int, node_addr: str, model: str | None,
+ENGINE_KEY = "engine/args"  # where node 0 publishes the engine: its id and arguments, sealed
+
+def _signed(key: ClusterKey, value: bytes, name: str) -> bool:
+    "Whether `value` carries a valid signature of `key` for `name`."
+    try:
+        key.verify(value, name, "the store")
+        return True
+    except Untrusted:
+        return False
+
+def publish_engine(store: dist.Store, key: ClusterKey, args) -> ClusterKey:
+    "Node 0: a fresh engine id and the engine's arguments, sealed, in the store; the key scoped to that engine."
+    engine = secrets.token_hex(16)
+    store.set(ENGINE_KEY, key.seal(engine.encode() + b"\n" + fields_to_wire(args), ENGINE_KEY))
+    return key.scoped(engine)
+
+def read_engine(store: dist.Store, key: ClusterKey, args_type: type, sender: str) -> tuple:
+    "Another machine: `(args, key scoped to the engine)` from what `publish_engine` wrote; `Untrusted` if it was not sealed with this key."
+    engine, _, fields = key.open(store.get(ENGINE_KEY), ENGINE_KEY, sender).partition(b"\n")
+    return fields_from_wire(fields, args_type, sender), key.scoped(engine.decode())
+
+def claim_node(store: dist.Store, key: ClusterKey, node: int, sender: str) -> None:
+    "Take node rank `node` with a signed claim; `ValueError` if a machine holding the secret took it first (a stranger's claim is replaced)."
+    name = f"node/{node}"
+    mine = key.sign(f"{socket.gethostname()} {os.getpid()} {secrets.token_hex(8)}".encode(), name)  # this claim's own
+    current = store.compare_set(name, "", mine)
+    if current == mine:
+        return
+    if not node_claimed(store, key, node, current):  # a stranger's claim: take it, unless a machine of ours does first
+        if store.compare_set(name, current, mine) == mine:
+            return
+    raise ValueError(f"node rank {node} has already joined {sender}: give each machine its own --node-rank")
+
+def node_claimed(store: dist.Store, key: ClusterKey, node: int, value: bytes | None = None) -> bool:
+    "Whether a machine holding the secret has claimed node rank `node` (its claim is `value`, or read from the store)."
+    name = f"node/{node}"
+    if value is None:
+        if not store.check([name]): return False
+        value = store.get(name)
+    return _signed(key, value, name)
+
+# %% ../../nbs/10a_multi_node.ipynb #dbf453e7
+ENGINE_GONE = 3  # a remote rank's exit code when rank 0 went away: its agent says so in one line
+
+def engine_answers(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    "Whether something listens at rank 0's rendezvous address (a plain connect: a store client that fails dumps a C++ stack)."
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+def _remote_rank_main(rank: int, master_addr: str, master_port: int, node: int, node_addr: str, args, key: ClusterKey,
                       make_handler: Callable, timeout_s: float) -> None:
-    "Body of a rank on another machine: the engine's arguments from rank 0's store, a heartbeat, the handler, then commands until `exit`."
+    "Body of a rank on another machine: a heartbeat, the handler, then commands until `exit`."
     store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    heartbeat = Heartbeat(store, rank, f"rank {rank} on {node_label(node)}")
+    heartbeat = Heartbeat(store, rank, f"rank {rank} on {node_label(node)}", key)
     handler = receiver = None
     exited = False
     try:
         try:
-            args = pickle.loads(store.get("engine/args"))
-            if model is not None:  # this machine keeps the checkpoint in a folder of its own
-                args = replace(args, model=model)
             layout = NodeLayout(args.tensor_parallel_size, args.nnodes)
             os.environ["LOCAL_RANK"] = str(layout.local_rank(rank))  # the GPU of this rank on its machine
-            handler = make_handler(rank, args, store=store, node_addr=node_addr, peers_alive=heartbeat.check)
+            handler = make_handler(rank, args, store=store, node_addr=node_addr, peers_alive=heartbeat.check,
+                                   cluster_key=key)
             group = command_group(store, layout.remote_ranks.index(rank) + 1, len(layout.remote_ranks) + 1, node_addr)
-            receiver = GlooCommandReceiver(group, heartbeat)
+            receiver = GlooCommandReceiver(group, key, make_handler.COMMANDS, heartbeat,
+                                           sender=f"rank 0 at {master_addr}:{master_port}")
         except BaseException:
             heartbeat.report("raised:\n" + traceback.format_exc()[-8000:])
             if handler is not None and hasattr(handler, "exit"):
                 handler.exit()  # subtle: built, but no command loop to leave its group for it
             raise
-        exited = worker_loop(receiver, handler)  # the handler leaves its group, whatever ends the loop
+        try:
+            exited = worker_loop(receiver, handler)  # the handler leaves its group, whatever ends the loop
+        except Exception:
+            if not engine_answers(master_addr, master_port):  # it failed because the engine went: say nothing more
+                raise SystemExit(ENGINE_GONE) from None
+            raise
     finally:
         if receiver is not None:
             receiver.close()
         heartbeat.close()
     if not exited:
-        raise SystemExit(f"rank {rank}: rank 0 is gone; exiting")
+        raise SystemExit(ENGINE_GONE)
 
-def run_node(master_addr: str, master_port: int, node: int, make_handler: Callable, *, nnodes: int | None = None,
-             node_addr: str | None = None, model: str | None = None, timeout_s: float = 300.0,
-             log: Callable[[str], None] = print) -> int:
+def run_node(master_addr: str, master_port: int, node: int, make_handler: Callable, *, args_type: type, secret: str | None,
+             nnodes: int | None = None, node_addr: str | None = None, model: str | None = None,
+             timeout_s: float = 300.0, log: Callable[[str], None] = print) -> int:
     "Serve machine `node`'s ranks of the engine whose rank 0 listens at `master_addr:master_port`, until it closes; the exit code."
     if type(node) is not int or node < 1:
         raise ValueError(f"node rank {node!r}: node 0 is the engine's own machine (start the engine there with --nnodes); "
                          "the other machines take --node-rank 1..nnodes-1")
+    if secret is None:
+        raise ValueError(f"set {SECRET_ENV} to the engine's cluster secret, the same on every machine (the engine "
+                         "prints the worker command with it when it made the secret itself)")
+    key = ClusterKey(secret)
     node_addr = node_addr or address_towards(master_addr)
     deadline = time.monotonic() + timeout_s
-    while True:  # subtle: wait for the engine with plain connects; a store client that times out dumps a C++ stack
-        try:
-            socket.create_connection((master_addr, master_port), timeout=1.0).close()
-            break
-        except OSError as e:
-            if time.monotonic() > deadline:
-                raise RankFailure(f"no engine answered at {master_addr}:{master_port} within {timeout_s:.0f} s "
-                                  f"({e.strerror or e}): start the engine with --nnodes on node 0, and check "
-                                  "--master-addr and --master-port") from None
-            time.sleep(0.2)
+    while not engine_answers(master_addr, master_port):  # subtle: wait with plain connects, not a store client
+        if time.monotonic() > deadline:
+            raise RankFailure(f"no engine answered at {master_addr}:{master_port} within {timeout_s:.0f} s: start "
+                              "the engine with --nnodes on node 0, and check --master-addr and --master-port")
+        time.sleep(0.2)
     store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    args = pickle.loads(store.get("engine/args"))
+    engine = f"the engine at {master_addr}:{master_port}"
+    args, key = read_engine(store, key, args_type, engine)
+    if model is not None:  # this machine keeps the checkpoint in a folder of its own
+        args = replace(args, model=model)
     layout = NodeLayout(args.tensor_parallel_size, args.nnodes)
     if nnodes is not None and nnodes != args.nnodes:
-        raise ValueError(f"--nnodes {nnodes} here, but the engine at {master_addr}:{master_port} was started with "
-                         f"--nnodes {args.nnodes}: give every machine the same --nnodes")
+        raise ValueError(f"--nnodes {nnodes} here, but {engine} was started with --nnodes {args.nnodes}: give every "
+                         "machine the same --nnodes")
     ranks = layout.ranks_of(node)
-    if store.add(f"node/{node}", 1) > 1:
-        raise ValueError(f"node rank {node} has already joined the engine at {master_addr}:{master_port}: give each "
-                         "machine its own --node-rank")
+    claim_node(store, key, node, engine)
     # subtle: the ranks' body comes from the package by name, even when this runs in a notebook
     from minivllm.engine.multinode import _remote_rank_main
-    procs = {r: RankProcess(_remote_rank_main, r, master_addr, master_port, node, node_addr, model, make_handler,
-                            timeout_s, name=f"minivllm-rank{r}") for r in ranks}
+    quiet = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = quiet or "ERROR"  # subtle: the ranks' lost connections, without C++ stacks
+    try:
+        procs = {r: RankProcess(_remote_rank_main, r, master_addr, master_port, node, node_addr, args, key,
+                                make_handler, timeout_s, name=f"minivllm-rank{r}") for r in ranks}
+    finally:
+        os.environ.pop("TORCH_CPP_LOG_LEVEL") if quiet is None else None
     which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
-    log(f"node {node}: {which} of {args.tensor_parallel_size} started on {node_addr}, "
-        f"serving the engine at {master_addr}:{master_port}")
+    log(f"node {node}: {which} of {args.tensor_parallel_size} started on {node_addr}, serving {engine}")
     try:
         while True:
             time.sleep(0.1)
             failed = next((r for r, p in procs.items() if p.exitcode not in (None, 0)), None)
             if failed is not None:
+                if procs[failed].exitcode == ENGINE_GONE or not engine_answers(master_addr, master_port):
+                    log(f"node {node}: {engine} is gone; stopping this node's ranks")
+                    return 1
                 try:  # tell rank 0 now (unless the rank itself did); nobody to tell if rank 0 is the cause
-                    if not store.check([f"error/{failed}"]):
-                        store.set(f"error/{failed}", procs[failed].describe())
+                    reported = store.get(f"error/{failed}") if store.check([f"error/{failed}"]) else b""
+                    if not _signed(key, reported, f"error/{failed}"):
+                        store.set(f"error/{failed}", key.sign(procs[failed].describe().encode(), f"error/{failed}"))
                 except RuntimeError:
                     pass
                 log(f"node {node}: rank {failed} {procs[failed].describe()}; stopping this node's other ranks")
@@ -408,14 +536,15 @@ def run_node(master_addr: str, master_port: int, node: int, make_handler: Callab
 # %% ../../nbs/10a_multi_node.ipynb #3194f66f
 class _Sink:
     "A worker's handler that takes a command and drops it (the benchmark's)."
+    COMMANDS = {"take": (bytes,)}
     def __init__(self, rank: int = 0): pass
-    def take(self, payload) -> None: pass
+    def take(self, payload: bytes) -> None: pass
 
-def _time_broadcasts(comm, sizes: list[int], iters: int, inline_bytes: int) -> dict[int, float]:
+def _time_broadcasts(comm, sizes: list[int], iters: int, inline_bytes: int, secret: str) -> dict[int, float]:
     "Seconds per command of `sizes` bytes sent back to back over a `GlooCommandChannel` (rank 0's clock)."
-    out = {}
+    out, key = {}, ClusterKey(secret).scoped("bench")
     if comm.rank == 0:
-        channel = GlooCommandChannel(comm.cpu_group, inline_bytes=inline_bytes)
+        channel = GlooCommandChannel(comm.cpu_group, key, _Sink.COMMANDS, inline_bytes=inline_bytes)
         for n in sizes:
             payload = b"x" * n
             for _ in range(3): channel.call("take", payload)
@@ -426,7 +555,7 @@ def _time_broadcasts(comm, sizes: list[int], iters: int, inline_bytes: int) -> d
             out[n] = (time.perf_counter() - start) / iters
         channel.call("exit")
         return out
-    receiver = GlooCommandReceiver(comm.cpu_group, inline_bytes=inline_bytes)
+    receiver = GlooCommandReceiver(comm.cpu_group, key, _Sink.COMMANDS, inline_bytes=inline_bytes)
     for n in sizes:
         for _ in range(3): receiver.recv()
         comm.barrier()
@@ -441,6 +570,7 @@ def time_command_paths(sizes: list[int], iters: int = 200, repeats: int = 3,
     from minivllm.engine.ipc import ShmCommandChannel
     from minivllm.engine.multinode import _Sink, _time_broadcasts  # subtle: by name, even from a notebook
     shm, gloo = {n: [] for n in sizes}, {n: [] for n in sizes}
+    secret = secrets.token_urlsafe(32)
     with ShmCommandChannel(1, max_bytes=max(sizes) + 4096) as channel:
         channel.start_workers(_Sink)
         for rep in range(repeats):
@@ -450,7 +580,7 @@ def time_command_paths(sizes: list[int], iters: int = 200, repeats: int = 3,
                 start = time.perf_counter()
                 for _ in range(iters): channel.call("take", payload)
                 shm[n].append((time.perf_counter() - start) / iters)
-            for n, t in run_on_ranks(_time_broadcasts, 2, sizes, iters, inline_bytes).items():
+            for n, t in run_on_ranks(_time_broadcasts, 2, sizes, iters, inline_bytes, secret).items():
                 gloo[n].append(t)
     median = lambda ts: sorted(ts)[len(ts) // 2]
     return {"shared memory": {n: median(ts) for n, ts in shm.items()},
