@@ -11,10 +11,8 @@ import sys
 import time
 import weakref
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
-from datetime import timedelta
-from typing import Iterable, Iterator, Sequence as Seq
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence as Seq
 
 import transformers
 from tqdm.auto import tqdm
@@ -22,14 +20,15 @@ from tqdm.auto import tqdm
 from fastcore.basics import patch
 
 from .config import check_token_ids, is_int, resolve_model
-from .distributed import RankFailure, listen_socket, store_server
+from .distributed import RankFailure
 from .engine.block_manager import BlockManager
-from .engine.ipc import ShmCommandChannel
-from .engine.multinode import (GlooCommandChannel, HeartbeatMonitor, NodeLayout, command_group, node_claimed,
-                                       publish_engine)
-from .engine.wire import SECRET_ENV, ClusterKey, new_secret, secret_from_env
-from .engine.model_runner import EngineArgs, ModelRunner, run_batch
+from .engine.launch import Ranks
+from .engine.model_runner import EngineArgs, ModelRunner
 from .engine.scheduler import SamplingParams, Scheduler, Sequence
+
+if TYPE_CHECKING:  # the channels' types, for the annotations only: the ranks are notebook 11a's business
+    from minivllm.engine.ipc import ShmCommandChannel
+    from minivllm.engine.multinode import GlooCommandChannel
 
 # %% auto #0
 __all__ = ['logger', 'DEFAULT_MODEL', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer', 'CompletionText', 'Request',
@@ -97,76 +96,6 @@ def _load_tokenizer(path: Path):
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"cannot load the tokenizer of {path} ({reason}): check its tokenizer.json and "
                          "tokenizer_config.json") from None
-
-def _shutdown(state: dict) -> None:
-    "Stop the workers (the other machines' first), then leave rank 0's process group: every exit path of an `LLM` ends here, once."
-    remote, channel, runner = state.pop("remote", None), state.pop("channel", None), state.pop("runner", None)
-    try:
-        if remote is not None:
-            remote.close()
-        if channel is not None:
-            channel.close()
-    finally:
-        if runner is not None:
-            runner.exit()
-        state.pop("store", None)  # rank 0's rendezvous store (several machines): its ranks there see it go, and exit
-
-def _start_ranks(state: dict, args: EngineArgs) -> EngineArgs:
-    "Start the engine's ranks into `state`: rank 0's runner, this machine's workers behind shared memory, and (nnodes > 1) wait for the other machines'."
-    if args.tensor_parallel_size == 1:
-        state["runner"] = ModelRunner(0, args)
-        return args
-    layout = NodeLayout(args.tensor_parallel_size, args.nnodes)
-    try:  # the rendezvous listens before any rank starts: they connect to its port
-        listener = listen_socket(args.master_addr, args.master_port)
-    except OSError as e:
-        raise ValueError(f"cannot listen on {args.master_addr}:{args.master_port} ({e.strerror or e}): name an address "
-                         "of this machine that the other machines reach (`ip -brief address` lists them), and a "
-                         "free port") from None
-    store = monitor = key = None
-    try:
-        port = listener.getsockname()[1]
-        if args.nnodes > 1:  # the other machines read the engine's arguments from the store, and beat in it
-            args = replace(args, master_port=port)
-            store = state["store"] = store_server(args.master_addr, port, args.tensor_parallel_size, listener,
-                                                  timedelta(seconds=args.timeout_s))
-            secret = secret_from_env()
-            given, secret = secret is not None, secret or new_secret()
-            key = publish_engine(store, ClusterKey(secret), args)  # sealed: only the secret's holders read it
-            monitor = HeartbeatMonitor(store, layout.remote_ranks, key)
-            others = "node 1" if args.nnodes == 2 else f"nodes 1-{args.nnodes - 1}"
-            command = (f"minivllm worker --master-addr {args.master_addr} --master-port {port} --node-rank N")
-            logger.info(f"waiting for {others} to join: on each, with the same {SECRET_ENV}, run `{command}`" if given
-                        else f"waiting for {others} to join: on each, run `{SECRET_ENV}={secret} {command}` (no "
-                             f"{SECRET_ENV} was set here, so this engine made one)")
-        channel = None
-        if layout.ranks_per_node > 1:
-            channel = state["channel"] = ShmCommandChannel(layout.ranks_per_node - 1)
-            channel.start_workers(partial(ModelRunner, cluster_key=key) if store is not None else ModelRunner, args, port)
-
-        def peers_alive() -> None:
-            if channel is not None: channel.check()
-            if monitor is not None: monitor.check()
-
-        try:
-            runner = state["runner"] = ModelRunner(0, args, peers_alive=peers_alive,
-                                                   listener=listener if store is None else None, store=store,
-                                                   cluster_key=key)
-        except RankFailure as e:  # name the machines that never came, and the command that brings them
-            absent = [n for n in range(1, args.nnodes) if store is not None and not node_claimed(store, key, n)]
-            if not absent:
-                raise
-            raise RankFailure(f"{e}: node {', '.join(map(str, absent))} never joined; on each, run `minivllm worker "
-                              f"--master-addr {args.master_addr} --master-port {port} --node-rank N` with this "
-                              f"engine's {SECRET_ENV}") from None
-        if store is not None:
-            group = command_group(store, 0, len(layout.remote_ranks) + 1, args.master_addr)
-            state["remote"] = GlooCommandChannel(group, key, ModelRunner.COMMANDS, monitor, timeout_s=args.timeout_s)
-        if runner.threads is not None and channel is not None:  # the workers' CPU time is the engine's, not load
-            runner.threads.pids |= {p.pid for p in channel.processes.values()}
-    finally:
-        listener.close()
-    return args
 
 # %% ../nbs/13_llm.ipynb #f7f8de9d
 class IncrementalDetokenizer:
@@ -298,14 +227,10 @@ class LLM:
         self.config = args.model_config()  # checks the checkpoint and the TP size before any process starts
         self.args = args = args.resolved(self.config)
         self.tokenizer = _load_tokenizer(model)
-        self._state: dict = {}
         self._requests: dict[int, tuple[Request, int]] = {}  # live sequence id -> (its request, its index there)
-        self._finalizer = weakref.finalize(self, _shutdown, self._state)
-        try:
-            self.args = args = _start_ranks(self._state, args)
-        except BaseException:
-            self.close()
-            raise
+        self.ranks = Ranks(args)  # every rank's process, started and stopped in one place (notebook 11a)
+        self._finalizer = weakref.finalize(self, self.ranks.close)  # subtle: holds the ranks, not the LLM
+        self.args = args = self.ranks.start()  # on failure, what had started is stopped
         self.scheduler = Scheduler(BlockManager(self.runner.num_blocks, args.kvcache_block_size), args.max_num_seqs,
                                    args.max_num_batched_tokens, args.max_model_len, self.config.eos_token_ids)
         if args.device == "cpu" and not enforce_eager and not _told_eager:
@@ -315,22 +240,22 @@ class LLM:
     @property
     def runner(self) -> ModelRunner:
         "Rank 0's model runner."
-        if "runner" not in self._state:
+        if self.ranks.runner is None:
             raise RuntimeError("this LLM is closed (or failed): create a new one")
-        return self._state["runner"]
+        return self.ranks.runner
 
     @property
     def channel(self) -> ShmCommandChannel | None:
         "The command channel to the worker ranks on this machine (None when there are none)."
-        return self._state.get("channel")
+        return self.ranks.channel
 
     @property
     def remote(self) -> GlooCommandChannel | None:
         "The command channel to the ranks on other machines (None with one machine)."
-        return self._state.get("remote")
+        return self.ranks.remote
 
     @property
-    def closed(self) -> bool: return "runner" not in self._state
+    def closed(self) -> bool: return self.ranks.closed
 
     def close(self) -> None:
         "Stop the worker processes, free the shared memory and leave the process group. Idempotent."
@@ -392,32 +317,15 @@ def abort_request(self: LLM, request: Request) -> None:
 
 # %% ../nbs/13_llm.ipynb #f6add91c
 @patch
-def _worker_failure(self: LLM, patience_s: float = 5.0) -> RankFailure | None:
-    "The failure of a worker, if one has failed (waiting up to `patience_s` for a dying worker to be seen dead)."
-    # subtle: the other machines first: a local worker's failed collective is often a symptom of a machine gone
-    channels = [c for c in (self.remote, self.channel) if c is not None and not c.closed]
-    if not channels:
-        return None
-    deadline = time.monotonic() + patience_s
-    while True:
-        try:
-            for channel in channels: channel.check()
-        except RankFailure as failure:
-            return failure
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(0.05)
-
-@patch
 def step(self: LLM) -> tuple[list[Sequence], dict]:
     "Schedule and compute one batch; the sequences it finished, and its stats (kind, tokens, seconds, sequence ids)."
     start = time.perf_counter()
-    runner, channel, remote = self.runner, self.channel, self.remote  # raises if the engine is closed
+    self.runner  # raises if the engine is closed
     batch = self.scheduler.schedule()
     try:
-        output = run_batch(batch, runner, channel, remote)  # notebook 11's step; what follows is what a long-lived engine adds
+        output = self.ranks.run(batch)  # every rank's share (notebook 11a); what follows is what a long-lived engine adds
     except BaseException as e:
-        failure = self._worker_failure() if isinstance(e, Exception) else None
+        failure = self.ranks.failure() if isinstance(e, Exception) else None
         self.close()
         if failure is not None:
             raise RankFailure(f"the engine has shut down: {failure}") from e
