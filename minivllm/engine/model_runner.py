@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple
 import socket
 
 import torch
+from fastcore.basics import patch
 
 from ..config import Config, check_positive_int, is_int
 from ..distributed import ProcessGroupCommunicator
@@ -274,7 +275,6 @@ class ThreadPolicy:
 class ModelRunner:
     "One rank's sharded model, KV-cache shard and (rank 0) sampler; `run` computes a scheduled step."
     COMMANDS = {"run": (StepInputs,)}  # what a rank on another machine serves: the schema of its commands (notebook 09a)
-
     def __init__(self, rank: int, args: EngineArgs, port: int | None = None,
                  peers_alive: Callable[[], None] | None = None, listener: socket.socket | None = None,
                  store=None, node_addr: str | None = None, cluster_key: ClusterKey | None = None):
@@ -330,112 +330,6 @@ class ModelRunner:
         largest = a.max_num_seqs * max(c.hidden_size, -(-c.vocab_size // self.world_size)) * 4
         return min(max(largest, 1 << 18), 8 << 20)
 
-    def _build(self) -> None:
-        "Build and load the model shard, warm up, agree on the KV-cache size, allocate it (and capture graphs)."
-        args, rank = self.args, self.rank
-        self.max_model_len = args.resolved(self.config).max_model_len  # subtle: the one default, in `resolved`
-        self.model = build_model(self.config, self.device, self.comm)
-        load_checkpoint(self.model, args.model)
-        self.model.eval()
-        if self.device.type == "cpu":
-            # subtle: now, while this rank runs its most threads: MKL splits a packed weight among the threads that
-            # packed it, so one packed by fewer threads would never use more (notebook 03)
-            self.model.pack_for_cpu()
-        self.sampler = Sampler() if rank == 0 else None
-        self.generator = torch.Generator(self.device).manual_seed(args.seed)
-        self.warmup()
-        self.num_blocks = self._agree_on_blocks(self._blocks_from_budget())
-        c = self.config
-        self.kv_cache = allocate_kv_cache(c.num_hidden_layers, self.num_blocks, self.block_size,
-                                          c.num_kv_heads_per_rank, c.head_dim, c.dtype, self.device)
-        self.graphs = None  # decode CUDA graphs (notebook 12): on CUDA unless enforce_eager
-        if self.device.type == "cuda" and not args.enforce_eager:
-            from minivllm.engine.cuda_graphs import DecodeGraphs
-            self.graphs = DecodeGraphs(self.model, self.kv_cache, args.max_num_seqs,
-                                       math.ceil(self.max_model_len / self.block_size), self.block_size)
-            self.graphs.capture()
-
-    @property
-    def bytes_per_block(self) -> int:
-        "Bytes of one KV-cache block on this rank."
-        c = self.config
-        return kv_cache_bytes_per_block(c.num_hidden_layers, self.block_size, c.num_kv_heads_per_rank, c.head_dim, c.dtype)
-
-    @torch.no_grad()
-    def warmup(self) -> None:
-        "Run a prefill of the largest batch the scheduler may send (CUDA; a short one on CPU), without a cache."
-        a = self.args
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats(self.device)
-            tokens = min(a.max_num_batched_tokens, a.max_num_seqs * self.max_model_len)
-        else:  # on the CPU warm-up only loads the kernels: activations come out of the same memory as everything else
-            tokens = min(16, self.max_model_len)
-            if self.config.dtype == torch.float32:
-                cpu_decode_kernel()  # build (once per machine) or load the decode kernel now, not in the first request
-        lengths = [self.max_model_len] * (tokens // self.max_model_len) + ([tokens % self.max_model_len] if tokens % self.max_model_len else [])
-        step = StepInputs(True, [0] * tokens, [0] * len(lengths), lengths, [[] for _ in lengths])
-        self._forward(step, kv_cache=None)
-
-    def _blocks_from_budget(self) -> int:
-        "This rank's block count: exactly `num_kvcache_blocks`, or what its memory budget holds."
-        a = self.args
-        if a.num_kvcache_blocks is not None:
-            return a.num_kvcache_blocks
-        useful = a.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
-        budget = (cuda_kv_cache_budget(a.gpu_memory_utilization, self.device) if self.device.type == "cuda"
-                  else cpu_kv_cache_budget(a))
-        return blocks_for_budget(budget, self.bytes_per_block, useful)
-
-    def _agree_on_blocks(self, num_blocks: int) -> int:
-        "The smallest block count of all ranks (block ids from rank 0's manager must exist on every rank)."
-        if self.world_size > 1:
-            t = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
-            num_blocks = int(self.comm.all_reduce(t, op="min").item())
-        needed = math.ceil(self.max_model_len / self.block_size)
-        if num_blocks < needed:
-            where = ("num_kvcache_blocks" if self.args.num_kvcache_blocks is not None else "gpu_memory_utilization"
-                     if self.device.type == "cuda" else "kv_cache_memory or cpu_kv_cache_fraction")
-            raise ValueError(f"the KV cache has room for {num_blocks} blocks of {self.block_size} tokens, fewer than one "
-                             f"sequence of max_model_len={self.max_model_len} tokens needs ({needed}): raise {where}, "
-                             "or lower max_model_len")
-        return num_blocks
-
-    def _last_hidden(self, step: StepInputs, kv_cache: torch.Tensor | None) -> torch.Tensor:
-        "Final hidden states `[B, hidden]` at each sequence's last new token."
-        if (kv_cache is not None and self.graphs is not None and not step.is_prefill
-                and self.graphs.can_run(len(step.input_ids))):  # replay a captured decode graph
-            return self.graphs.run(step.input_ids, step.context_lens, step.block_tables)  # the real rows only
-        dev = self.device
-        input_ids = torch.tensor(step.input_ids, dtype=torch.int64, device=dev)
-        positions = torch.tensor(step.positions, dtype=torch.int64, device=dev)
-        hidden = self.model(input_ids, positions, kv_cache, step.metadata(self.block_size, dev))
-        # subtle: logits only at each sequence's last token; the LM head is the costliest layer for small models.
-        return hidden[torch.tensor(step.last_token_rows, dtype=torch.int64, device=dev)]
-
-    def _forward(self, step: StepInputs, kv_cache: torch.Tensor | None) -> torch.Tensor | None:
-        "Logits `[B, V]` at each sequence's last new token on rank 0 (None on the others)."
-        return self.model.compute_logits(self._last_hidden(step, kv_cache))  # subtle: outside any CUDA graph
-
-    @torch.no_grad()
-    def run(self, step: StepInputs, sampling: SamplingInputs | None = None) -> StepOutput | None:
-        "Compute one step on this rank; rank 0 returns the sampled token ids (and logprobs), the others None."
-        if self.rank == 0 and sampling is None:
-            raise ValueError("rank 0 needs the step's SamplingInputs to sample")
-        if step.num_threads is not None and step.num_threads != torch.get_num_threads():
-            torch.set_num_threads(step.num_threads)
-        if step.greedy:
-            tokens = self.model.greedy_tokens(self._last_hidden(step, self.kv_cache))
-            return StepOutput(tokens.tolist()) if self.rank == 0 else None
-        logits = self._forward(step, self.kv_cache)
-        if self.rank != 0:
-            return None
-        s, raw = sampling, logits
-        if s.presence_penalties is not None:
-            logits = apply_penalties(logits, s.output_token_ids, s.presence_penalties, s.frequency_penalties)
-        tokens = self.sampler(logits, s.temperatures, s.top_ks, s.top_ps, s.seeds, s.steps, self.generator)
-        logprobs = token_logprobs(raw, tokens, s.num_logprobs) if s.num_logprobs is not None else None
-        return StepOutput(tokens.tolist(), logprobs)
-
     def exit(self) -> None:
         "Release the model and the KV cache, leave the group and give back the CPU threads. Idempotent."
         self.kv_cache = self.model = self.graphs = None
@@ -446,6 +340,121 @@ class ModelRunner:
         if self.comm is not None:
             self.comm.close()
         torch.set_num_threads(self._old_threads)
+
+# %% ../../nbs/11_model_runner.ipynb #64a99172
+@patch
+def _build(self: ModelRunner) -> None:
+    "Build and load the model shard, warm up, agree on the KV-cache size, allocate it (and capture graphs)."
+    args, rank = self.args, self.rank
+    self.max_model_len = args.resolved(self.config).max_model_len  # subtle: the one default, in `resolved`
+    self.model = build_model(self.config, self.device, self.comm)
+    load_checkpoint(self.model, args.model)
+    self.model.eval()
+    if self.device.type == "cpu":
+        # subtle: now, while this rank runs its most threads: MKL splits a packed weight among the threads that
+        # packed it, so one packed by fewer threads would never use more (notebook 03)
+        self.model.pack_for_cpu()
+    self.sampler = Sampler() if rank == 0 else None
+    self.generator = torch.Generator(self.device).manual_seed(args.seed)
+    self.warmup()
+    self.num_blocks = self._agree_on_blocks(self._blocks_from_budget())
+    c = self.config
+    self.kv_cache = allocate_kv_cache(c.num_hidden_layers, self.num_blocks, self.block_size,
+                                      c.num_kv_heads_per_rank, c.head_dim, c.dtype, self.device)
+    self.graphs = None  # decode CUDA graphs (notebook 12): on CUDA unless enforce_eager
+    if self.device.type == "cuda" and not args.enforce_eager:
+        from minivllm.engine.cuda_graphs import DecodeGraphs
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, args.max_num_seqs,
+                                   math.ceil(self.max_model_len / self.block_size), self.block_size)
+        self.graphs.capture()
+
+@patch(as_prop=True)
+def bytes_per_block(self: ModelRunner) -> int:
+    "Bytes of one KV-cache block on this rank."
+    c = self.config
+    return kv_cache_bytes_per_block(c.num_hidden_layers, self.block_size, c.num_kv_heads_per_rank, c.head_dim, c.dtype)
+
+@patch
+@torch.no_grad()
+def warmup(self: ModelRunner) -> None:
+    "Run a prefill of the largest batch the scheduler may send (CUDA; a short one on CPU), without a cache."
+    a = self.args
+    if self.device.type == "cuda":
+        torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats(self.device)
+        tokens = min(a.max_num_batched_tokens, a.max_num_seqs * self.max_model_len)
+    else:  # on the CPU warm-up only loads the kernels: activations come out of the same memory as everything else
+        tokens = min(16, self.max_model_len)
+        if self.config.dtype == torch.float32:
+            cpu_decode_kernel()  # build (once per machine) or load the decode kernel now, not in the first request
+    lengths = [self.max_model_len] * (tokens // self.max_model_len) + ([tokens % self.max_model_len] if tokens % self.max_model_len else [])
+    step = StepInputs(True, [0] * tokens, [0] * len(lengths), lengths, [[] for _ in lengths])
+    self._forward(step, kv_cache=None)
+
+@patch
+def _blocks_from_budget(self: ModelRunner) -> int:
+    "This rank's block count: exactly `num_kvcache_blocks`, or what its memory budget holds."
+    a = self.args
+    if a.num_kvcache_blocks is not None:
+        return a.num_kvcache_blocks
+    useful = a.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
+    budget = (cuda_kv_cache_budget(a.gpu_memory_utilization, self.device) if self.device.type == "cuda"
+              else cpu_kv_cache_budget(a))
+    return blocks_for_budget(budget, self.bytes_per_block, useful)
+
+@patch
+def _agree_on_blocks(self: ModelRunner, num_blocks: int) -> int:
+    "The smallest block count of all ranks (block ids from rank 0's manager must exist on every rank)."
+    if self.world_size > 1:
+        t = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+        num_blocks = int(self.comm.all_reduce(t, op="min").item())
+    needed = math.ceil(self.max_model_len / self.block_size)
+    if num_blocks < needed:
+        where = ("num_kvcache_blocks" if self.args.num_kvcache_blocks is not None else "gpu_memory_utilization"
+                 if self.device.type == "cuda" else "kv_cache_memory or cpu_kv_cache_fraction")
+        raise ValueError(f"the KV cache has room for {num_blocks} blocks of {self.block_size} tokens, fewer than one "
+                         f"sequence of max_model_len={self.max_model_len} tokens needs ({needed}): raise {where}, "
+                         "or lower max_model_len")
+    return num_blocks
+
+# %% ../../nbs/11_model_runner.ipynb #aaecc873
+@patch
+def _last_hidden(self: ModelRunner, step: StepInputs, kv_cache: torch.Tensor | None) -> torch.Tensor:
+    "Final hidden states `[B, hidden]` at each sequence's last new token."
+    if (kv_cache is not None and self.graphs is not None and not step.is_prefill
+            and self.graphs.can_run(len(step.input_ids))):  # replay a captured decode graph
+        return self.graphs.run(step.input_ids, step.context_lens, step.block_tables)  # the real rows only
+    dev = self.device
+    input_ids = torch.tensor(step.input_ids, dtype=torch.int64, device=dev)
+    positions = torch.tensor(step.positions, dtype=torch.int64, device=dev)
+    hidden = self.model(input_ids, positions, kv_cache, step.metadata(self.block_size, dev))
+    # subtle: logits only at each sequence's last token; the LM head is the costliest layer for small models.
+    return hidden[torch.tensor(step.last_token_rows, dtype=torch.int64, device=dev)]
+
+@patch
+def _forward(self: ModelRunner, step: StepInputs, kv_cache: torch.Tensor | None) -> torch.Tensor | None:
+    "Logits `[B, V]` at each sequence's last new token on rank 0 (None on the others)."
+    return self.model.compute_logits(self._last_hidden(step, kv_cache))  # subtle: outside any CUDA graph
+
+@patch
+@torch.no_grad()
+def run(self: ModelRunner, step: StepInputs, sampling: SamplingInputs | None = None) -> StepOutput | None:
+    "Compute one step on this rank; rank 0 returns the sampled token ids (and logprobs), the others None."
+    if self.rank == 0 and sampling is None:
+        raise ValueError("rank 0 needs the step's SamplingInputs to sample")
+    if step.num_threads is not None and step.num_threads != torch.get_num_threads():
+        torch.set_num_threads(step.num_threads)
+    if step.greedy:
+        tokens = self.model.greedy_tokens(self._last_hidden(step, self.kv_cache))
+        return StepOutput(tokens.tolist()) if self.rank == 0 else None
+    logits = self._forward(step, self.kv_cache)
+    if self.rank != 0:
+        return None
+    s, raw = sampling, logits
+    if s.presence_penalties is not None:
+        logits = apply_penalties(logits, s.output_token_ids, s.presence_penalties, s.frequency_penalties)
+    tokens = self.sampler(logits, s.temperatures, s.top_ks, s.top_ps, s.seeds, s.steps, self.generator)
+    logprobs = token_logprobs(raw, tokens, s.num_logprobs) if s.num_logprobs is not None else None
+    return StepOutput(tokens.tolist(), logprobs)
 
 # %% ../../nbs/11_model_runner.ipynb #076c8c29
 def run_batch(batch: ScheduledBatch, runner: ModelRunner, channel=None, remote=None) -> StepOutput:
