@@ -24,6 +24,7 @@ from typing import Any, Callable
 import cloudpickle
 import torch
 import torch.distributed as dist
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['divide', 'Communicator', 'CountingCommunicator', 'describe_exit', 'RankProcess', 'free_port', 'listen_socket',
@@ -320,85 +321,6 @@ class ProcessGroupCommunicator(Communicator):
         self.nodes: dict[int, str] = {}  # rank -> the name of its machine, once connected
         self.address: str | None = None  # the address this rank's gloo listens on, once connected
 
-    @classmethod
-    def connect(cls, rank: int | None = None, world_size: int | None = None, port: int | None = None, *,
-                listener: socket.socket | None = None, host: str = "127.0.0.1", backend: str | None = None,
-                timeout_s: float = 300.0, peers_alive: Callable[[], None] | None = None,
-                store: dist.Store | None = None, bind: str | None = None, node: str | None = None,
-                **options) -> ProcessGroupCommunicator:
-        "Join a new group of `world_size` ranks meeting at `host:port` (rank 0 serves it, on `listener` if given); with no arguments, torchrun's variables. `options` go to `_setup`."
-        # `store`: a rendezvous store the caller made (and keeps); `bind`: the address this rank's gloo listens on
-        # (default `host`); `node`: the name of this rank's machine (default its host name)
-        backend = backend or default_backend()
-        timeout = timedelta(seconds=timeout_s)
-        env_launch = rank is None and world_size is None and port is None and listener is None and store is None
-        if store is not None:
-            if not (type(world_size) is int and world_size >= 1 and type(rank) is int and 0 <= rank < world_size):
-                raise ValueError(f"rank={rank!r} is outside 0..{world_size!r} - 1: pass rank= and world_size= with store=")
-        elif env_launch:  # started by torchrun or a similar launcher
-            missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in os.environ]
-            if missing:
-                raise ValueError(f"connect() without arguments needs the environment variables {missing} (as torchrun "
-                                 "sets them); or pass rank=, world_size= and port=")
-            store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-            store = dist.PrefixStore("minivllm/", store)
-        elif rank is None or world_size is None or (port is None and listener is None):
-            raise ValueError("pass rank=, world_size= and port= together (or none of them, under torchrun)")
-        else:
-            if not (type(world_size) is int and world_size >= 1 and type(rank) is int and 0 <= rank < world_size):
-                raise ValueError(f"rank={rank!r} is outside 0..{world_size - 1}")
-            if listener is not None and rank != 0:
-                raise ValueError("only rank 0 serves the rendezvous: pass listener= to rank 0 only")
-            port = listener.getsockname()[1] if listener is not None else port
-            store = (store_server(host, port, world_size, listener, timeout) if rank == 0
-                     else dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout))
-        bind = bind or host
-        if backend == "nccl":
-            local_rank = int(os.environ.get("LOCAL_RANK", rank))
-            if local_rank >= torch.cuda.device_count():
-                raise ValueError(f"rank {rank} needs CUDA device {local_rank} but only {torch.cuda.device_count()} "
-                                 "are visible: lower tensor_parallel_size or use backend='gloo'")
-            torch.cuda.set_device(local_rank)
-        try:
-            return cls._join(store, rank, world_size, bind, node, env_launch, backend, timeout_s, peers_alive, options)
-        except BaseException as e:
-            # subtle: a failed start must let go of its sockets now (rank 0's store listens on the port), not when
-            # the traceback that references the store from the frames below is dropped: clear those frames' locals.
-            traceback.clear_frames(e.__traceback__)
-            raise
-        finally:
-            del store
-
-    @classmethod
-    def _join(cls, store, rank, world_size, bind, node, env_launch, backend, timeout_s, peers_alive, options) -> ProcessGroupCommunicator:
-        "The rest of `connect` once the store is up: rendezvous, process groups, set-up, and a first barrier."
-        timeout = timedelta(seconds=timeout_s)
-        ranks = _rendezvous(store, rank, world_size, timeout_s, peers_alive, node)
-        here = node or socket.gethostname()
-        watch = PeerWatch({r: pid for r, (h, pid) in ranks.items() if r != rank and h == here}, peers_alive)
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        # subtle: gloo listens for its peers too; bind that to the rendezvous address, not the host name's address.
-        if env_launch and not os.environ["MASTER_ADDR"].startswith(("127.", "localhost")):
-            opts._devices = [dist.ProcessGroupGloo.create_default_device()]  # several hosts: this host's own address
-        else:
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1" if env_launch else bind)]
-        cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, opts)
-        device_group = None
-        if backend == "nccl":
-            nccl_opts = dist.ProcessGroupNCCL.Options()
-            nccl_opts._timeout = timeout
-            device_group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world_size, nccl_opts)
-        comm = cls(rank, world_size, cpu_group, device_group, watch, timeout_s)
-        comm.nodes, comm.address = {r: h for r, (h, _) in ranks.items()}, bind
-        try:
-            comm._setup(store, **options)
-            comm.barrier()  # subtle: nobody still reads the store when rank 0's copy (the server) goes away
-        except BaseException:
-            comm.close()
-            raise
-        return comm
-
     def _setup(self, store: dist.Store) -> None:
         "Hook for subclasses: more set-up that needs the rendezvous store (which is dropped after `connect`)."
 
@@ -407,70 +329,6 @@ class ProcessGroupCommunicator(Communicator):
         if self.cpu_group is None:
             raise RuntimeError(f"{self!r} is closed: create a new communicator")
         return self.device_group if x.is_cuda and self.device_group is not None else self.cpu_group
-
-    def _wait(self, work, what: str, x: torch.Tensor) -> None:
-        "Wait for a collective on `x` to finish, checking the other ranks every 50 ms; `RankFailure` if one is gone."
-        if x.is_cuda:  # NCCL: `wait` only orders the GPU streams (and works inside a CUDA-graph capture)
-            work.wait(); return
-        start = time.monotonic()
-        next_check, pause = start + 0.05, 0.0
-        while not work.is_completed():
-            time.sleep(pause)
-            pause = min(1e-3, pause + 2e-5)  # subtle: start by yielding, then back off to 1 ms
-            now = time.monotonic()
-            if now >= next_check:
-                if self.watch is not None:
-                    self.watch.check()
-                if now - start > self.timeout_s:
-                    raise RankFailure(f"rank {self.rank}: {what} did not complete within {self.timeout_s:.0f} s "
-                                      "(another rank is hung, or the machine is overloaded)")
-                next_check = now + 0.05
-        try:
-            work.wait()
-        except RuntimeError as e:  # a peer went away mid-collective: name it if we can
-            if self.watch is not None:
-                settled = time.monotonic() + self.watch.settle_s
-                while time.monotonic() < settled:
-                    time.sleep(0.1)
-                    self.watch.check()
-            raise RankFailure(f"rank {self.rank}: {what} failed: {e}") from e
-
-    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        if self.world_size == 1: return x
-        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
-        if op not in ops:
-            raise ValueError(f"all_reduce op must be one of {list(ops)}, got {op!r}")
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = ops[op]
-        self._wait(self._group(x).allreduce([x], opts), "all_reduce", x)
-        return x
-
-    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        if self.world_size == 1: return x
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        self._wait(self._group(x).allgather([parts], [x]), "all_gather", x)
-        return torch.cat(parts, dim=dim)
-
-    def gather(self, x: torch.Tensor, dim: int = -1, dst: int = 0) -> torch.Tensor | None:
-        if self.world_size == 1: return x
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == dst else []
-        opts = dist.GatherOptions()
-        opts.rootRank = dst
-        self._wait(self._group(x).gather([parts] if parts else [], [x], opts), "gather", x)
-        return torch.cat(parts, dim=dim) if self.rank == dst else None
-
-    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        if self.world_size == 1: return x
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = src, 0
-        self._wait(self._group(x).broadcast([x], opts), "broadcast", x)
-        return x
-
-    def barrier(self) -> None:
-        if self.world_size == 1: return
-        self.all_reduce(torch.zeros(1))  # a tiny all-reduce: gloo's own barrier cannot be watched the same way
 
     def close(self) -> None:
         "Leave the group: drop the process groups (their sockets close). Idempotent."
@@ -491,6 +349,157 @@ def shutdown_groups(groups: list) -> None:
         if hasattr(g, "shutdown"):
             try: g.shutdown()
             except RuntimeError: pass
+
+# %% ../nbs/01_distributed.ipynb #8a7ca836
+@patch
+def _wait(self: ProcessGroupCommunicator, work, what: str, x: torch.Tensor) -> None:
+    "Wait for a collective on `x` to finish, checking the other ranks every 50 ms; `RankFailure` if one is gone."
+    if x.is_cuda:  # NCCL: `wait` only orders the GPU streams (and works inside a CUDA-graph capture)
+        work.wait(); return
+    start = time.monotonic()
+    next_check, pause = start + 0.05, 0.0
+    while not work.is_completed():
+        time.sleep(pause)
+        pause = min(1e-3, pause + 2e-5)  # subtle: start by yielding, then back off to 1 ms
+        now = time.monotonic()
+        if now >= next_check:
+            if self.watch is not None:
+                self.watch.check()
+            if now - start > self.timeout_s:
+                raise RankFailure(f"rank {self.rank}: {what} did not complete within {self.timeout_s:.0f} s "
+                                  "(another rank is hung, or the machine is overloaded)")
+            next_check = now + 0.05
+    try:
+        work.wait()
+    except RuntimeError as e:  # a peer went away mid-collective: name it if we can
+        if self.watch is not None:
+            settled = time.monotonic() + self.watch.settle_s
+            while time.monotonic() < settled:
+                time.sleep(0.1)
+                self.watch.check()
+        raise RankFailure(f"rank {self.rank}: {what} failed: {e}") from e
+
+@patch
+def all_reduce(self: ProcessGroupCommunicator, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    if self.world_size == 1: return x
+    ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+    if op not in ops:
+        raise ValueError(f"all_reduce op must be one of {list(ops)}, got {op!r}")
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = ops[op]
+    self._wait(self._group(x).allreduce([x], opts), "all_reduce", x)
+    return x
+
+@patch
+def all_gather(self: ProcessGroupCommunicator, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    if self.world_size == 1: return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(self.world_size)]
+    self._wait(self._group(x).allgather([parts], [x]), "all_gather", x)
+    return torch.cat(parts, dim=dim)
+
+@patch
+def gather(self: ProcessGroupCommunicator, x: torch.Tensor, dim: int = -1, dst: int = 0) -> torch.Tensor | None:
+    if self.world_size == 1: return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == dst else []
+    opts = dist.GatherOptions()
+    opts.rootRank = dst
+    self._wait(self._group(x).gather([parts] if parts else [], [x], opts), "gather", x)
+    return torch.cat(parts, dim=dim) if self.rank == dst else None
+
+@patch
+def broadcast(self: ProcessGroupCommunicator, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    if self.world_size == 1: return x
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = src, 0
+    self._wait(self._group(x).broadcast([x], opts), "broadcast", x)
+    return x
+
+@patch
+def barrier(self: ProcessGroupCommunicator) -> None:
+    if self.world_size == 1: return
+    self.all_reduce(torch.zeros(1))  # a tiny all-reduce: gloo's own barrier cannot be watched the same way
+
+# %% ../nbs/01_distributed.ipynb #51605de6
+@patch(cls_method=True)
+def connect(cls: ProcessGroupCommunicator, rank: int | None = None, world_size: int | None = None, port: int | None = None, *,
+            listener: socket.socket | None = None, host: str = "127.0.0.1", backend: str | None = None,
+            timeout_s: float = 300.0, peers_alive: Callable[[], None] | None = None,
+            store: dist.Store | None = None, bind: str | None = None, node: str | None = None,
+            **options) -> ProcessGroupCommunicator:
+    "Join a new group of `world_size` ranks meeting at `host:port` (rank 0 serves it, on `listener` if given); with no arguments, torchrun's variables. `options` go to `_setup`."
+    # `store`: a rendezvous store the caller made (and keeps); `bind`: the address this rank's gloo listens on
+    # (default `host`); `node`: the name of this rank's machine (default its host name)
+    backend = backend or default_backend()
+    timeout = timedelta(seconds=timeout_s)
+    env_launch = rank is None and world_size is None and port is None and listener is None and store is None
+    if store is not None:
+        if not (type(world_size) is int and world_size >= 1 and type(rank) is int and 0 <= rank < world_size):
+            raise ValueError(f"rank={rank!r} is outside 0..{world_size!r} - 1: pass rank= and world_size= with store=")
+    elif env_launch:  # started by torchrun or a similar launcher
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in os.environ]
+        if missing:
+            raise ValueError(f"connect() without arguments needs the environment variables {missing} (as torchrun "
+                             "sets them); or pass rank=, world_size= and port=")
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        store = dist.PrefixStore("minivllm/", store)
+    elif rank is None or world_size is None or (port is None and listener is None):
+        raise ValueError("pass rank=, world_size= and port= together (or none of them, under torchrun)")
+    else:
+        if not (type(world_size) is int and world_size >= 1 and type(rank) is int and 0 <= rank < world_size):
+            raise ValueError(f"rank={rank!r} is outside 0..{world_size - 1}")
+        if listener is not None and rank != 0:
+            raise ValueError("only rank 0 serves the rendezvous: pass listener= to rank 0 only")
+        port = listener.getsockname()[1] if listener is not None else port
+        store = (store_server(host, port, world_size, listener, timeout) if rank == 0
+                 else dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout))
+    bind = bind or host
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"rank {rank} needs CUDA device {local_rank} but only {torch.cuda.device_count()} "
+                             "are visible: lower tensor_parallel_size or use backend='gloo'")
+        torch.cuda.set_device(local_rank)
+    try:
+        return cls._join(store, rank, world_size, bind, node, env_launch, backend, timeout_s, peers_alive, options)
+    except BaseException as e:
+        # subtle: a failed start must let go of its sockets now (rank 0's store listens on the port), not when
+        # the traceback that references the store from the frames below is dropped: clear those frames' locals.
+        traceback.clear_frames(e.__traceback__)
+        raise
+    finally:
+        del store
+
+@patch(cls_method=True)
+def _join(cls: ProcessGroupCommunicator, store, rank, world_size, bind, node, env_launch, backend, timeout_s, peers_alive, options) -> ProcessGroupCommunicator:
+    "The rest of `connect` once the store is up: rendezvous, process groups, set-up, and a first barrier."
+    timeout = timedelta(seconds=timeout_s)
+    ranks = _rendezvous(store, rank, world_size, timeout_s, peers_alive, node)
+    here = node or socket.gethostname()
+    watch = PeerWatch({r: pid for r, (h, pid) in ranks.items() if r != rank and h == here}, peers_alive)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    # subtle: gloo listens for its peers too; bind that to the rendezvous address, not the host name's address.
+    if env_launch and not os.environ["MASTER_ADDR"].startswith(("127.", "localhost")):
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()]  # several hosts: this host's own address
+    else:
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1" if env_launch else bind)]
+    cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, opts)
+    device_group = None
+    if backend == "nccl":
+        nccl_opts = dist.ProcessGroupNCCL.Options()
+        nccl_opts._timeout = timeout
+        device_group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world_size, nccl_opts)
+    comm = cls(rank, world_size, cpu_group, device_group, watch, timeout_s)
+    comm.nodes, comm.address = {r: h for r, (h, _) in ranks.items()}, bind
+    try:
+        comm._setup(store, **options)
+        comm.barrier()  # subtle: nobody still reads the store when rank 0's copy (the server) goes away
+    except BaseException:
+        comm.close()
+        raise
+    return comm
 
 # %% ../nbs/01_distributed.ipynb #926e9fe5
 def _send_result(fd: int, message) -> None:
@@ -569,6 +578,7 @@ def run_on_ranks(fn: Callable, world_size: int, *args, connect: Callable | None 
         end_processes(procs.values())
         for fd in pipes.values(): os.close(fd)
 
+# %% ../nbs/01_distributed.ipynb #060d1135
 def end_processes(procs, grace_s: float = 5.0) -> None:
     "Give these `RankProcess`es `grace_s` seconds to end by themselves (a stopped one cannot), then kill what is left."
     grace_end = time.monotonic() + grace_s

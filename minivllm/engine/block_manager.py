@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['BlockHashFn', 'block_hash', 'chain_hashes', 'Block', 'OutOfBlocksError', 'BlockManager']
@@ -62,14 +63,17 @@ class BlockManager:
 
     @property
     def num_blocks(self) -> int: return len(self.blocks)
+
     @property
     def num_free_blocks(self) -> int:
         "Blocks no block table holds (some of them still findable in the prefix cache)."
         return len(self.free_block_ids)
+
     @property
     def num_cached_blocks(self) -> int:
         "Blocks findable in the prefix cache, in use or free."
         return len(self.hash_to_block_id)
+
     @property
     def prefix_cache_hit_tokens(self) -> int:
         "Tokens `allocate` found in the prefix cache (whole blocks only)."
@@ -84,115 +88,127 @@ class BlockManager:
                 f"{self.num_cached_blocks} cached; prefix-cache hits {self.prefix_cache_hit_tokens}/"
                 f"{self.prefix_cache_query_tokens} tokens)")
 
-    # ---- prefix cache lookup
-    def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        "The blocks holding the longest cached prefix of `token_ids`, always leaving its last token to compute."
-        blocks, prev, bs = [], None, self.block_size
-        # subtle: at most (len - 1) // block_size blocks, so that at least the last token is computed: its logits
-        # give the next token. A fully cached prompt recomputes its whole last block (as vLLM does), since K/V are
-        # written a block at a time into blocks of its own, never into a shared one.
-        for i in range((len(token_ids) - 1) // bs):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            prev = self.hash_fn(tokens, prev)
-            block_id = self.hash_to_block_id.get(prev)
-            # subtle: equal hashes are a hit only if the tokens are equal too; a collision is a miss.
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
-                break
-            blocks.append(block_id)
-        return blocks
+# %% ../../nbs/08_block_manager.ipynb #042169de
+@patch
+def cached_prefix(self: BlockManager, token_ids: Sequence[int]) -> list[int]:
+    "The blocks holding the longest cached prefix of `token_ids`, always leaving its last token to compute."
+    blocks, prev, bs = [], None, self.block_size
+    # subtle: at most (len - 1) // block_size blocks, so that at least the last token is computed: its logits
+    # give the next token. A fully cached prompt recomputes its whole last block (as vLLM does), since K/V are
+    # written a block at a time into blocks of its own, never into a shared one.
+    for i in range((len(token_ids) - 1) // bs):
+        tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+        prev = self.hash_fn(tokens, prev)
+        block_id = self.hash_to_block_id.get(prev)
+        # subtle: equal hashes are a hit only if the tokens are equal too; a collision is a miss.
+        if block_id is None or self.blocks[block_id].token_ids != tokens:
+            break
+        blocks.append(block_id)
+    return blocks
 
-    # ---- allocation and freeing
-    def _free_blocks_needed(self, token_ids: Sequence[int]) -> tuple[int, list[int]]:
-        "Free blocks that `allocate(token_ids)` takes, and the cached prefix it reuses."
-        hits = self.cached_prefix(token_ids)
-        # a hit on a block in use costs no free block; a hit on a freed (still cached) block takes it off the free list
-        return self.blocks_for(len(token_ids)) - sum(self.blocks[b].ref_count > 0 for b in hits), hits
+# ---- allocation and freeing
 
-    def can_allocate(self, token_ids: Sequence[int] | int) -> bool:
-        "Whether `allocate` would succeed: token ids count their prefix-cache hits, a bare token count assumes none."
-        if isinstance(token_ids, int):
-            return self.blocks_for(token_ids) <= self.num_free_blocks
-        return self._free_blocks_needed(token_ids)[0] <= self.num_free_blocks
+@patch
+def _free_blocks_needed(self: BlockManager, token_ids: Sequence[int]) -> tuple[int, list[int]]:
+    "Free blocks that `allocate(token_ids)` takes, and the cached prefix it reuses."
+    hits = self.cached_prefix(token_ids)
+    # a hit on a block in use costs no free block; a hit on a freed (still cached) block takes it off the free list
+    return self.blocks_for(len(token_ids)) - sum(self.blocks[b].ref_count > 0 for b in hits), hits
 
-    def allocate(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
-        "`(block_table, num_cached_tokens)` for a sequence of `token_ids`: cached prefix blocks reused, fresh blocks for the rest."
-        if len(token_ids) == 0:
-            raise ValueError("cannot allocate blocks for an empty sequence")
-        need, hits = self._free_blocks_needed(token_ids)
-        if need > self.num_free_blocks:
-            raise OutOfBlocksError(
-                f"{len(token_ids)} tokens need {need} free blocks of {self.block_size} tokens ({len(hits)} more are "
-                f"shared from the prefix cache), but only {self.num_free_blocks} of {self.num_blocks} are free: "
-                "check can_allocate first, or free a sequence")
-        # subtle: take the hits first; allocating fresh blocks first could overwrite a freed block we are reusing.
-        for block_id in hits:
-            self._hold(block_id)
-        table = hits + [self._take_fresh() for _ in range(self.blocks_for(len(token_ids)) - len(hits))]
-        self.prefix_cache_query_tokens += len(token_ids)
-        self.prefix_cache_hit_blocks += len(hits)
-        return table, len(hits) * self.block_size
+@patch
+def can_allocate(self: BlockManager, token_ids: Sequence[int] | int) -> bool:
+    "Whether `allocate` would succeed: token ids count their prefix-cache hits, a bare token count assumes none."
+    if isinstance(token_ids, int):
+        return self.blocks_for(token_ids) <= self.num_free_blocks
+    return self._free_blocks_needed(token_ids)[0] <= self.num_free_blocks
 
-    def _hold(self, block_id: int) -> None:
-        "One more reference to a block that keeps its contents (a prefix-cache hit)."
+@patch
+def allocate(self: BlockManager, token_ids: Sequence[int]) -> tuple[list[int], int]:
+    "`(block_table, num_cached_tokens)` for a sequence of `token_ids`: cached prefix blocks reused, fresh blocks for the rest."
+    if len(token_ids) == 0:
+        raise ValueError("cannot allocate blocks for an empty sequence")
+    need, hits = self._free_blocks_needed(token_ids)
+    if need > self.num_free_blocks:
+        raise OutOfBlocksError(
+            f"{len(token_ids)} tokens need {need} free blocks of {self.block_size} tokens ({len(hits)} more are "
+            f"shared from the prefix cache), but only {self.num_free_blocks} of {self.num_blocks} are free: "
+            "check can_allocate first, or free a sequence")
+    # subtle: take the hits first; allocating fresh blocks first could overwrite a freed block we are reusing.
+    for block_id in hits:
+        self._hold(block_id)
+    table = hits + [self._take_fresh() for _ in range(self.blocks_for(len(token_ids)) - len(hits))]
+    self.prefix_cache_query_tokens += len(token_ids)
+    self.prefix_cache_hit_blocks += len(hits)
+    return table, len(hits) * self.block_size
+
+@patch
+def _hold(self: BlockManager, block_id: int) -> None:
+    "One more reference to a block that keeps its contents (a prefix-cache hit)."
+    block = self.blocks[block_id]
+    if block.ref_count == 0:
+        del self.free_block_ids[block_id]
+    block.ref_count += 1
+
+@patch
+def _take_fresh(self: BlockManager) -> int:
+    "The least recently freed block, emptied for new contents: it leaves the prefix cache."
+    block_id, _ = self.free_block_ids.popitem(last=False)
+    block = self.blocks[block_id]
+    # subtle: drop the cache entry only if it is this block's; a newer block with the same contents may own it.
+    if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
+        del self.hash_to_block_id[block.hash]
+    block.ref_count, block.hash, block.token_ids = 1, None, ()
+    return block_id
+
+@patch
+def free(self: BlockManager, block_table: Sequence[int]) -> None:
+    "Drop one reference to each block of `block_table`; blocks no one holds go to the free list, still cached."
+    for block_id in block_table:  # check first, so that a bad table changes nothing
+        if self.blocks[block_id].ref_count < 1:
+            raise ValueError(f"block {block_id} is already free: was this block table freed twice?")
+    # subtle: the last block goes onto the free list first, so a sequence's tail is overwritten before its
+    # head, and a head is what other prompts are likely to share.
+    for block_id in reversed(block_table):
         block = self.blocks[block_id]
+        block.ref_count -= 1
         if block.ref_count == 0:
-            del self.free_block_ids[block_id]
-        block.ref_count += 1
+            self.free_block_ids[block_id] = None
 
-    def _take_fresh(self) -> int:
-        "The least recently freed block, emptied for new contents: it leaves the prefix cache."
-        block_id, _ = self.free_block_ids.popitem(last=False)
-        block = self.blocks[block_id]
-        # subtle: drop the cache entry only if it is this block's; a newer block with the same contents may own it.
-        if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
-            del self.hash_to_block_id[block.hash]
-        block.ref_count, block.hash, block.token_ids = 1, None, ()
-        return block_id
+# %% ../../nbs/08_block_manager.ipynb #b30b87ee
+@patch
+def cache_full_blocks(self: BlockManager, block_table: Sequence[int], token_ids: Sequence[int], num_computed_tokens: int) -> int:
+    "Make the full blocks among the first `num_computed_tokens` tokens findable by prefix; how many were new."
+    bs, num_full = self.block_size, num_computed_tokens // self.block_size
+    if not 0 <= num_computed_tokens <= len(token_ids) or num_full > len(block_table):
+        raise ValueError(f"{num_computed_tokens} computed tokens do not fit {len(token_ids)} token ids in a "
+                         f"block table of {len(block_table)} blocks")
+    # subtle: the blocks of a table that have a hash always form a prefix of it (hits come first, the rest
+    # are hashed in order and keep their hash while held), so scan back to where that prefix ends.
+    first = num_full
+    while first > 0 and self.blocks[block_table[first - 1]].hash is None:
+        first -= 1
+    prev = self.blocks[block_table[first - 1]].hash if first else None
+    for i in range(first, num_full):
+        block, tokens = self.blocks[block_table[i]], tuple(token_ids[i * bs:(i + 1) * bs])
+        prev = block.hash = self.hash_fn(tokens, prev)
+        block.token_ids = tokens
+        self.hash_to_block_id[prev] = block.block_id  # a block with the same contents may be there: newest wins
+    return num_full - first
 
-    def free(self, block_table: Sequence[int]) -> None:
-        "Drop one reference to each block of `block_table`; blocks no one holds go to the free list, still cached."
-        for block_id in block_table:  # check first, so that a bad table changes nothing
-            if self.blocks[block_id].ref_count < 1:
-                raise ValueError(f"block {block_id} is already free: was this block table freed twice?")
-        # subtle: the last block goes onto the free list first, so a sequence's tail is overwritten before its
-        # head, and a head is what other prompts are likely to share.
-        for block_id in reversed(block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
+# ---- growing a block table during decode
 
-    # ---- publishing computed blocks to the prefix cache
-    def cache_full_blocks(self, block_table: Sequence[int], token_ids: Sequence[int], num_computed_tokens: int) -> int:
-        "Make the full blocks among the first `num_computed_tokens` tokens findable by prefix; how many were new."
-        bs, num_full = self.block_size, num_computed_tokens // self.block_size
-        if not 0 <= num_computed_tokens <= len(token_ids) or num_full > len(block_table):
-            raise ValueError(f"{num_computed_tokens} computed tokens do not fit {len(token_ids)} token ids in a "
-                             f"block table of {len(block_table)} blocks")
-        # subtle: the blocks of a table that have a hash always form a prefix of it (hits come first, the rest
-        # are hashed in order and keep their hash while held), so scan back to where that prefix ends.
-        first = num_full
-        while first > 0 and self.blocks[block_table[first - 1]].hash is None:
-            first -= 1
-        prev = self.blocks[block_table[first - 1]].hash if first else None
-        for i in range(first, num_full):
-            block, tokens = self.blocks[block_table[i]], tuple(token_ids[i * bs:(i + 1) * bs])
-            prev = block.hash = self.hash_fn(tokens, prev)
-            block.token_ids = tokens
-            self.hash_to_block_id[prev] = block.block_id  # a block with the same contents may be there: newest wins
-        return num_full - first
+@patch
+def can_grow(self: BlockManager, block_table: Sequence[int], num_tokens: int) -> bool:
+    "Whether `block_table` can grow to hold `num_tokens` tokens."
+    return self.blocks_for(num_tokens) - len(block_table) <= self.num_free_blocks
 
-    # ---- growing a block table during decode
-    def can_grow(self, block_table: Sequence[int], num_tokens: int) -> bool:
-        "Whether `block_table` can grow to hold `num_tokens` tokens."
-        return self.blocks_for(num_tokens) - len(block_table) <= self.num_free_blocks
-
-    def grow(self, block_table: list[int], num_tokens: int) -> list[int]:
-        "Append fresh blocks to `block_table`, in place, until it holds `num_tokens` tokens; the blocks added."
-        need = self.blocks_for(num_tokens) - len(block_table)
-        if need > self.num_free_blocks:
-            raise OutOfBlocksError(f"growing a block table to {num_tokens} tokens needs {need} free blocks, but "
-                                   f"only {self.num_free_blocks} are free: check can_grow first, or free a sequence")
-        added = [self._take_fresh() for _ in range(need)]
-        block_table.extend(added)
-        return added
+@patch
+def grow(self: BlockManager, block_table: list[int], num_tokens: int) -> list[int]:
+    "Append fresh blocks to `block_table`, in place, until it holds `num_tokens` tokens; the blocks added."
+    need = self.blocks_for(num_tokens) - len(block_table)
+    if need > self.num_free_blocks:
+        raise OutOfBlocksError(f"growing a block table to {num_tokens} tokens needs {need} free blocks, but "
+                               f"only {self.num_free_blocks} are free: check can_grow first, or free a sequence")
+    added = [self._take_fresh() for _ in range(need)]
+    block_table.extend(added)
+    return added
