@@ -246,6 +246,7 @@ def _config_from_hf_dict(hf: dict, tensor_parallel_size: int = 1, dtype: str | t
         path=path,
     )
 
+# %% ../nbs/00_config.ipynb #1b82b1c7
 def _config_from_pretrained(path: str | Path, tensor_parallel_size: int = 1,
                             dtype: str | torch.dtype | None = None) -> Config:
     "A `Config` read from the `config.json` in the checkpoint folder `path`."
