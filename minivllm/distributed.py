@@ -209,15 +209,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 def listen_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    "A TCP socket listening on `host:port` only (port 0: a free one the kernel picks): where rank 0 serves the rendezvous."
-    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.bind((host, port))
-        s.listen(128)
-    except BaseException:
-        s.close()
-        raise
-    return s
+    "A TCP socket listening on `host:port` only (port 0: a free one the kernel picks): where rank 0 serves the rendezvous, and a server its API."
+    # subtle: create_server sets SO_REUSEADDR, so a port that a closed listener leaves in TIME_WAIT can be taken
+    # again at once; a port another socket listens on is still refused
+    return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=128)
 
 # %% ../nbs/01_distributed.ipynb #669527fa
 class RankFailure(RuntimeError):

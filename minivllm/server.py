@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from .async_llm import AsyncLLM
+from .distributed import listen_socket
 from .engine.scheduler import SamplingParams
 from .llm import LLM, CompletionOutput, RequestOutput, _load_tokenizer, logger
 
@@ -633,10 +634,9 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    "A listening TCP socket on `host:port` (port 0: a free one); `OSError` names the address if it is taken."
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    "A listening TCP socket on `host:port` (port 0: a free one; notebook 01's rule); `OSError` names the address if it is taken."
     try:
-        return socket.create_server((host, port), family=family)
+        return listen_socket(host, port)
     except OSError as e:
         raise OSError(f"cannot listen on {host}:{port} ({os.strerror(e.errno) if e.errno else e}): choose another "
                       "--port or --host") from None
