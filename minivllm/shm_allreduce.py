@@ -6,116 +6,24 @@
 from __future__ import annotations
 
 import ctypes
-import errno
 import logging
 import os
 import platform
-import secrets
 import struct
 import sys
 import time
-from multiprocessing.shared_memory import SharedMemory
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from .distributed import Communicator, PeerWatch, ProcessGroupCommunicator, RankFailure, process_state
+from .shm import attach_shared_memory, create_shared_memory
+from .shm import SEGMENT_PREFIX  # noqa: F401  minivllm.testing imports it from here
 
 # %% auto #0
-__all__ = ['SEGMENT_PREFIX', 'SHM_ALLREDUCE_SUPPORTED', 'segment_name', 'attach_shared_memory', 'create_shared_memory', 'Futex',
-           'ShmAllReduce', 'default_two_shot_bytes', 'ShmCommunicator', 'make_communicator', 'time_all_reduce']
-
-# %% ../nbs/02_shm_allreduce.ipynb #2c4db100
-SEGMENT_PREFIX = "minivllm-"
-
-def segment_name(pid: int | None = None) -> str:
-    "A fresh segment name `minivllm-<pid>-<8 hex digits>` (pid defaults to this process). Example: `minivllm-4242-9f86d081`."
-    return f"{SEGMENT_PREFIX}{os.getpid() if pid is None else pid}-{secrets.token_hex(4)}"
-
-class _Attached:
-    "A mapping of an existing segment that no resource tracker knows of (Python < 3.13 always registers one)."
-    def __init__(self, name: str):
-        import mmap
-        import _posixshmem  # subtle: the module multiprocessing.shared_memory itself uses, private but stable since 3.8
-        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
-        try:
-            self.size = os.fstat(fd).st_size
-            self._mmap = mmap.mmap(fd, self.size)
-        finally:
-            os.close(fd)
-        self.name, self.buf = name, memoryview(self._mmap)
-
-    def close(self) -> None:
-        self.buf.release()
-        self._mmap.close()
-
-    def unlink(self) -> None:
-        import _posixshmem
-        _posixshmem.shm_unlink("/" + self.name)
-
-def attach_shared_memory(name: str):
-    "Map the existing segment `name`, untracked: this process will never unlink it by accident at exit."
-    try:
-        return SharedMemory(name=name, track=False)  # Python >= 3.13
-    except TypeError:
-        return _Attached(name)
-
-def _no_room(size: int) -> MemoryError:
-    "The error for a `/dev/shm` without `size` bytes free, with the fix."
-    st = os.statvfs("/dev/shm")
-    return MemoryError(f"/dev/shm has {st.f_bavail * st.f_frsize / 2**20:,.2f} MiB free, fewer than the "
-                       f"{size / 2**20:,.2f} MiB this needs: free some, or give the container more shared memory "
-                       "(docker run --shm-size=1g)")
-
-def _reserve(fd: int, size: int) -> None:
-    "Take all `size` bytes of the new segment `fd` from `/dev/shm` now: `posix_fallocate`, else writing zeros."
-    try:
-        os.posix_fallocate(fd, 0, size)
-        return
-    except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL): raise  # ENOSPC: no room
-    zeros, offset = bytes(min(size, 1 << 20)), 0
-    while offset < size:  # subtle: write() into a full tmpfs fails with ENOSPC, where a store into the mapping is SIGBUS
-        offset += os.pwrite(fd, zeros[:size - offset], offset)
-
-def _new_segment(size: int) -> SharedMemory:
-    "A new untracked segment of `size` bytes, sparse: no page of it is taken yet."
-    try:
-        return SharedMemory(name=segment_name(), create=True, size=size, track=False)  # Python >= 3.13
-    except TypeError:
-        from multiprocessing import resource_tracker
-        shm = _UntrackedSharedMemory(name=segment_name(), create=True, size=size)
-        resource_tracker.unregister(shm._name, "shared_memory")  # subtle: `_name` is the registered "/name"
-        return shm
-
-def create_shared_memory(size: int) -> SharedMemory:
-    "A new untracked segment of `size` bytes, every page reserved: a `/dev/shm` without room fails here, never later."
-    shm_dir = Path("/dev/shm")
-    if shm_dir.is_dir() and (st := os.statvfs(shm_dir)).f_bavail * st.f_frsize < size:
-        raise _no_room(size)  # before creating anything
-    shm = _new_segment(size)
-    if not shm_dir.is_dir():  # not Linux: no tmpfs quota to run out of
-        return shm
-    try:
-        # subtle: every minivllm segment is made here, so this is the one place that reserves. `_fd` is the segment's
-        # descriptor, which SharedMemory keeps open until close(). Without this, a /dev/shm filled by another program
-        # after the check above kills the first process to touch a fresh page with SIGBUS.
-        _reserve(shm._fd, size)
-    except BaseException as e:
-        shm.close()
-        shm.unlink()
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            raise _no_room(size) from None
-        raise
-    return shm
-
-class _UntrackedSharedMemory(SharedMemory):
-    "A `SharedMemory` that its resource tracker has forgotten: unlinking must not tell the tracker (Python < 3.13)."
-    def unlink(self) -> None:
-        import _posixshmem
-        _posixshmem.shm_unlink(self._name)
+__all__ = ['SHM_ALLREDUCE_SUPPORTED', 'Futex', 'ShmAllReduce', 'default_two_shot_bytes', 'ShmCommunicator', 'make_communicator',
+           'time_all_reduce']
 
 # %% ../nbs/02_shm_allreduce.ipynb #a3771143
 SHM_ALLREDUCE_SUPPORTED = platform.machine().lower() in ("x86_64", "amd64")  # see "memory ordering" above

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from minivllm.distributed import RankFailure
-from minivllm.engine.ipc import ShmCommandChannel, ShmCommandReceiver, encode_command, sweep_stale_segments, worker_loop
-from minivllm.shm_allreduce import segment_name
+from minivllm.engine.ipc import ShmCommandChannel, ShmCommandReceiver, encode_command, worker_loop
+from minivllm.shm import segment_name, sweep_stale_segments
 
 from minivllm.testing import Recorder, default_sigint, gone, records, wait_until
 

@@ -1,4 +1,4 @@
-"""A /dev/shm that fills up after the engine started, or that is too small from the start (notebook 02): the engine
+"""A /dev/shm that fills up after the engine started, or that is too small from the start (notebook 01a): the engine
 either works or fails at start with a clear error, never dies of SIGBUS later, and leaves no segment behind.
 
 Each case runs a child in its own mount namespace with a small private tmpfs on /dev/shm (needs root and `unshare`);
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from minivllm.shm_allreduce import create_shared_memory
+from minivllm.shm import create_shared_memory
 from minivllm.testing import shm_segments
 
 SHM = Path("/dev/shm")

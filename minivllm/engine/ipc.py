@@ -13,17 +13,16 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.util import Finalize
-from pathlib import Path
 from typing import Any, Callable
 
 import cloudpickle
 
 from ..distributed import PeerWatch, RankFailure, RankProcess, process_state
-from ..shm_allreduce import SEGMENT_PREFIX, attach_shared_memory, create_shared_memory
+from ..shm import attach_shared_memory, create_shared_memory
 
 # %% auto #0
 __all__ = ['DEFAULT_MAX_BYTES', 'ERROR_BYTES', 'encode_command', 'decode_command', 'WorkerHandle', 'ShmCommandChannel',
-           'OwnerDied', 'ShmCommandReceiver', 'worker_loop', 'sweep_stale_segments']
+           'OwnerDied', 'ShmCommandReceiver', 'worker_loop']
 
 # %% ../../nbs/10_shm_ipc.ipynb #f7c49cc2
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024  # room for one command: a 16k-token prefill pickles to about 180 KB
@@ -378,23 +377,3 @@ def _worker_main(handle_fields: dict, make_handler: Callable, args: tuple) -> No
         worker_loop(receiver, handler)
     finally:
         receiver.close()  # at once, rather than when the finalizers run at the process's exit
-
-# %% ../../nbs/10_shm_ipc.ipynb #d68d38a3
-def sweep_stale_segments(shm_dir: str | Path = "/dev/shm") -> list[str]:
-    "Unlink this user's `minivllm-<pid>-*` segments whose creator pid no longer exists; return their names."
-    root = Path(shm_dir)
-    if not root.is_dir():  # not Linux: segments are not files we can list
-        return []
-    removed = []
-    for path in sorted(root.glob(f"{SEGMENT_PREFIX}*")):
-        pid, _, token = path.name[len(SEGMENT_PREFIX):].partition("-")
-        if not (pid.isdigit() and token):
-            continue
-        try:
-            if path.stat().st_uid != os.getuid() or process_state(int(pid)) != "dead":
-                continue
-            path.unlink()
-        except (FileNotFoundError, PermissionError):
-            continue
-        removed.append(path.name)
-    return removed

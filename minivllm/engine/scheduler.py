@@ -6,8 +6,6 @@
 from __future__ import annotations
 
 import itertools
-import math
-import numbers
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -15,65 +13,10 @@ from enum import Enum
 
 from ..config import check_positive_int, check_token_ids, is_int
 from .block_manager import BlockManager
+from ..sampling_params import SamplingParams
 
 # %% auto #0
-__all__ = ['SamplingParams', 'SequenceStatus', 'Sequence', 'token_positions', 'context_lengths', 'ScheduledBatch', 'Scheduler']
-
-# %% ../../nbs/09_scheduler.ipynb #8b0eac52
-@dataclass
-class SamplingParams:
-    "How to choose each next token of a request, and when to stop."
-    temperature: float = 1.0  # 0: greedy (always the most likely token)
-    top_k: int = -1  # -1: off; k >= 1: sample among the k most likely tokens
-    top_p: float = 1.0  # 1: off; p < 1: sample among the fewest most likely tokens whose probability reaches p
-    max_tokens: int | None = 64  # the most tokens to generate (None: until the sequence reaches max_model_len)
-    ignore_eos: bool = False  # keep generating after the model's end-of-sequence token (benchmarks do)
-    seed: int | None = None  # makes this request's sampling reproducible, whatever it is batched with
-    stop_token_ids: tuple[int, ...] = ()  # more tokens that end the request (kept as its last token, like EOS)
-    stop: tuple[str, ...] = ()  # strings that end the request; its text stops just before the first one found
-    n: int = 1  # how many completions of the prompt to sample (they share the prompt's KV blocks)
-    presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far (-2 to 2, OpenAI's)
-    frequency_penalty: float = 0.0  # subtracted from a token's logit once per time it was generated (-2 to 2)
-    logprobs: int | None = None  # k: each generated token's log-probability, and the k most likely (0 to 20)
-
-    def __post_init__(self):
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
-        if not is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
-            raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r} (or None: up to max_model_len)")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        stop = self.stop_token_ids
-        stop = tuple(stop) if isinstance(stop, Iterable) and not isinstance(stop, (str, bytes)) else None
-        if stop is None:
-            raise ValueError(f"stop_token_ids must be a sequence of token ids (integers >= 0), got {self.stop_token_ids!r}")
-        self.stop_token_ids = tuple(check_token_ids(stop, what="stop_token_ids")) if stop else ()
-        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        if not isinstance(stop, Iterable) or not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
-        self.stop = tuple(stop)
-        if not is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1 (the completions to sample), got {self.n!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not -2 <= v <= 2:
-                raise ValueError(f"{name} must be a number from -2 to 2 (0 = off), got {v!r}")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be None or an integer from 0 to 20 (the most likely tokens to show), "
-                             f"got {self.logprobs!r}")
-
-    @property
-    def needs_logits(self) -> bool:
-        "Whether sampling needs the whole logits row even when greedy: penalties change it, logprobs report it."
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.logprobs is not None
+__all__ = ['SequenceStatus', 'Sequence', 'token_positions', 'context_lengths', 'ScheduledBatch', 'Scheduler']
 
 # %% ../../nbs/09_scheduler.ipynb #280b48e0
 class SequenceStatus(Enum):
