@@ -20,6 +20,7 @@ import torch.distributed as dist
 from .distributed import Communicator, PeerWatch, ProcessGroupCommunicator, RankFailure, process_state
 from .shm import attach_shared_memory, create_shared_memory
 from .shm import SEGMENT_PREFIX  # noqa: F401  minivllm.testing imports it from here
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['SHM_ALLREDUCE_SUPPORTED', 'Futex', 'ShmAllReduce', 'default_two_shot_bytes', 'ShmCommunicator', 'make_communicator',
@@ -122,111 +123,6 @@ class ShmAllReduce:
         "Whether `x` can go through the segment: a CPU tensor no larger than a slot."
         return x.device.type == "cpu" and x.numel() * x.element_size() <= self.slot_bytes
 
-    def _slot(self, phase: int, rank: int, like: torch.Tensor) -> torch.Tensor:
-        "Rank `rank`'s slot of `phase`, as a tensor of `like`'s dtype and shape."
-        start = self._data + (phase * self.world_size + rank) * self.slot_bytes
-        n = like.numel() * like.element_size()
-        return self._bytes[start:start + n].view(like.dtype).view(like.shape)
-
-    def _result(self, phase: int, like: torch.Tensor) -> torch.Tensor:
-        "The two-shot result area of `phase`, as a flat tensor of `like`'s dtype and size."
-        start = self._data + (2 * self.world_size + phase) * self.slot_bytes
-        n = like.numel() * like.element_size()
-        return self._bytes[start:start + n].view(like.dtype)
-
-    def barrier(self) -> None:
-        "Return once every rank has reached this barrier; `RankFailure` if one has died, left, is frozen, or times out."
-        self._epoch += 1
-        epoch, buf = self._epoch, self.shm.buf
-        _COUNTER.pack_into(buf, self.rank * _LINE, epoch)
-        if self._futex is not None: self._futex.wake(self.rank * _LINE)
-        for r in range(self.world_size):
-            if r == self.rank: continue
-            def on_slow(waited_s: float, r=r):
-                if (left := _COUNTER.unpack_from(buf, self.world_size * _LINE)[0]):
-                    raise RankFailure(f"rank {left - 1} left the group (its engine failed or closed)")
-                if self.watch is not None: self.watch.check()
-                if waited_s > self.timeout_s:
-                    raise RankFailure(f"rank {r} has not reached shared-memory collective {epoch} after "
-                                      f"{waited_s:.0f} s (it is hung, or the machine is overloaded)")
-            counter = lambda r=r: _COUNTER.unpack_from(buf, r * _LINE)[0]
-            sleep = ((lambda r=r: self._futex.wait(r * _LINE, counter(r), 0.05)) if self._futex is not None
-                     else os.sched_yield if hasattr(os, "sched_yield") else (lambda: time.sleep(0)))
-            _spin_until(lambda r=r: counter(r) >= epoch, on_slow, self.spin_s, sleep)
-
-    def _write(self, x: torch.Tensor) -> int:
-        "Copy `x` into this rank's slot of the next phase and wait for every rank to do the same; the phase."
-        phase = self._op % 2
-        self._op += 1
-        self._slot(phase, self.rank, x).copy_(x)
-        self.barrier()
-        return phase
-
-    @torch.no_grad()  # collectives have no backward
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        "The sum of every rank's `x`, written into `x`: one-shot below `two_shot_bytes`, else two-shot."
-        x = x.contiguous()
-        if x.numel() * x.element_size() >= self.two_shot_bytes:
-            return self.all_reduce_two_shot(x)
-        return self.all_reduce_one_shot(x)
-
-    @torch.no_grad()  # collectives have no backward
-    def all_reduce_one_shot(self, x: torch.Tensor) -> torch.Tensor:
-        "Every rank reads every slot and adds them in rank order: one barrier, `world_size` reads per element."
-        phase = self._write(x)
-        slots = [self._slot(phase, r, x) for r in range(self.world_size)]
-        torch.add(slots[0], slots[1], out=x)
-        for s in slots[2:]:
-            x.add_(s)
-        return x
-
-    @torch.no_grad()  # collectives have no backward
-    def all_reduce_two_shot(self, x: torch.Tensor) -> torch.Tensor:
-        "Rank r sums chunk r of every slot (reduce-scatter), then every rank copies all chunks (all-gather): two barriers."
-        phase = self._write(x)
-        flat, n = x.view(-1), x.numel()
-        per = -(-n // self.world_size)
-        lo, hi = min(self.rank * per, n), min((self.rank + 1) * per, n)
-        slots = [self._slot(phase, r, x).view(-1)[lo:hi] for r in range(self.world_size)]
-        result = self._result(phase, x)
-        mine = result[lo:hi]
-        torch.add(slots[0], slots[1], out=mine)
-        for s in slots[2:]:
-            mine.add_(s)
-        self.barrier()
-        flat.copy_(result)
-        return x
-
-    @torch.no_grad()  # collectives have no backward
-    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        "Every rank's `x`, concatenated along `dim` in rank order."
-        x = x.contiguous()
-        phase = self._write(x)
-        return torch.cat([self._slot(phase, r, x) for r in range(self.world_size)], dim=dim)
-
-    @torch.no_grad()  # collectives have no backward
-    def gather(self, x: torch.Tensor, dim: int = -1, dst: int = 0) -> torch.Tensor | None:
-        "Every rank's `x`, concatenated along `dim` in rank order, on rank `dst`; None elsewhere."
-        x = x.contiguous()
-        phase = self._write(x)
-        if self.rank != dst: return None
-        return torch.cat([self._slot(phase, r, x) for r in range(self.world_size)], dim=dim)
-
-    @torch.no_grad()  # collectives have no backward
-    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        "Rank `src`'s `x` on every rank (copied into `x`)."
-        phase = self._write(x.contiguous()) if self.rank == src else self._skip_write()
-        if self.rank != src:
-            x.copy_(self._slot(phase, src, x))
-        return x
-
-    def _skip_write(self) -> int:
-        "Take part in the next collective without writing (a broadcast's receivers); its phase."
-        phase = self._op % 2
-        self._op += 1
-        self.barrier()
-        return phase
-
     def close(self) -> None:
         "Say this rank has left (peers still waiting stop at once), unmap the segment; rank 0 unlinks it. Idempotent."
         if self.shm is None: return
@@ -245,6 +141,125 @@ class ShmAllReduce:
     def __repr__(self):
         return (f"ShmAllReduce({self.name!r}, rank={self.rank}, world_size={self.world_size}, "
                 f"slot_bytes={self.slot_bytes:,}, two_shot_bytes={self.two_shot_bytes:,})")
+
+# %% ../nbs/02_shm_allreduce.ipynb #97c06097
+@patch
+def _slot(self: ShmAllReduce, phase: int, rank: int, like: torch.Tensor) -> torch.Tensor:
+    "Rank `rank`'s slot of `phase`, as a tensor of `like`'s dtype and shape."
+    start = self._data + (phase * self.world_size + rank) * self.slot_bytes
+    n = like.numel() * like.element_size()
+    return self._bytes[start:start + n].view(like.dtype).view(like.shape)
+
+@patch
+def _result(self: ShmAllReduce, phase: int, like: torch.Tensor) -> torch.Tensor:
+    "The two-shot result area of `phase`, as a flat tensor of `like`'s dtype and size."
+    start = self._data + (2 * self.world_size + phase) * self.slot_bytes
+    n = like.numel() * like.element_size()
+    return self._bytes[start:start + n].view(like.dtype)
+
+@patch
+def barrier(self: ShmAllReduce) -> None:
+    "Return once every rank has reached this barrier; `RankFailure` if one has died, left, is frozen, or times out."
+    self._epoch += 1
+    epoch, buf = self._epoch, self.shm.buf
+    _COUNTER.pack_into(buf, self.rank * _LINE, epoch)
+    if self._futex is not None: self._futex.wake(self.rank * _LINE)
+    for r in range(self.world_size):
+        if r == self.rank: continue
+        def on_slow(waited_s: float, r=r):
+            if (left := _COUNTER.unpack_from(buf, self.world_size * _LINE)[0]):
+                raise RankFailure(f"rank {left - 1} left the group (its engine failed or closed)")
+            if self.watch is not None: self.watch.check()
+            if waited_s > self.timeout_s:
+                raise RankFailure(f"rank {r} has not reached shared-memory collective {epoch} after "
+                                  f"{waited_s:.0f} s (it is hung, or the machine is overloaded)")
+        counter = lambda r=r: _COUNTER.unpack_from(buf, r * _LINE)[0]
+        sleep = ((lambda r=r: self._futex.wait(r * _LINE, counter(r), 0.05)) if self._futex is not None
+                 else os.sched_yield if hasattr(os, "sched_yield") else (lambda: time.sleep(0)))
+        _spin_until(lambda r=r: counter(r) >= epoch, on_slow, self.spin_s, sleep)
+
+# %% ../nbs/02_shm_allreduce.ipynb #1c6c0a86
+@patch
+def _write(self: ShmAllReduce, x: torch.Tensor) -> int:
+    "Copy `x` into this rank's slot of the next phase and wait for every rank to do the same; the phase."
+    phase = self._op % 2
+    self._op += 1
+    self._slot(phase, self.rank, x).copy_(x)
+    self.barrier()
+    return phase
+
+@patch
+@torch.no_grad()  # collectives have no backward
+def all_reduce(self: ShmAllReduce, x: torch.Tensor) -> torch.Tensor:
+    "The sum of every rank's `x`, written into `x`: one-shot below `two_shot_bytes`, else two-shot."
+    x = x.contiguous()
+    if x.numel() * x.element_size() >= self.two_shot_bytes:
+        return self.all_reduce_two_shot(x)
+    return self.all_reduce_one_shot(x)
+
+@patch
+@torch.no_grad()  # collectives have no backward
+def all_reduce_one_shot(self: ShmAllReduce, x: torch.Tensor) -> torch.Tensor:
+    "Every rank reads every slot and adds them in rank order: one barrier, `world_size` reads per element."
+    phase = self._write(x)
+    slots = [self._slot(phase, r, x) for r in range(self.world_size)]
+    torch.add(slots[0], slots[1], out=x)
+    for s in slots[2:]:
+        x.add_(s)
+    return x
+
+@patch
+@torch.no_grad()  # collectives have no backward
+def all_reduce_two_shot(self: ShmAllReduce, x: torch.Tensor) -> torch.Tensor:
+    "Rank r sums chunk r of every slot (reduce-scatter), then every rank copies all chunks (all-gather): two barriers."
+    phase = self._write(x)
+    flat, n = x.view(-1), x.numel()
+    per = -(-n // self.world_size)
+    lo, hi = min(self.rank * per, n), min((self.rank + 1) * per, n)
+    slots = [self._slot(phase, r, x).view(-1)[lo:hi] for r in range(self.world_size)]
+    result = self._result(phase, x)
+    mine = result[lo:hi]
+    torch.add(slots[0], slots[1], out=mine)
+    for s in slots[2:]:
+        mine.add_(s)
+    self.barrier()
+    flat.copy_(result)
+    return x
+
+# %% ../nbs/02_shm_allreduce.ipynb #4520a812
+@patch
+@torch.no_grad()  # collectives have no backward
+def all_gather(self: ShmAllReduce, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    "Every rank's `x`, concatenated along `dim` in rank order."
+    x = x.contiguous()
+    phase = self._write(x)
+    return torch.cat([self._slot(phase, r, x) for r in range(self.world_size)], dim=dim)
+
+@patch
+@torch.no_grad()  # collectives have no backward
+def gather(self: ShmAllReduce, x: torch.Tensor, dim: int = -1, dst: int = 0) -> torch.Tensor | None:
+    "Every rank's `x`, concatenated along `dim` in rank order, on rank `dst`; None elsewhere."
+    x = x.contiguous()
+    phase = self._write(x)
+    if self.rank != dst: return None
+    return torch.cat([self._slot(phase, r, x) for r in range(self.world_size)], dim=dim)
+
+@patch
+@torch.no_grad()  # collectives have no backward
+def broadcast(self: ShmAllReduce, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    "Rank `src`'s `x` on every rank (copied into `x`)."
+    phase = self._write(x.contiguous()) if self.rank == src else self._skip_write()
+    if self.rank != src:
+        x.copy_(self._slot(phase, src, x))
+    return x
+
+@patch
+def _skip_write(self: ShmAllReduce) -> int:
+    "Take part in the next collective without writing (a broadcast's receivers); its phase."
+    phase = self._op % 2
+    self._op += 1
+    self.barrier()
+    return phase
 
 # %% ../nbs/02_shm_allreduce.ipynb #3de3e37f
 _TWO_SHOT_FROM = {2: None, 4: 2 << 20}  # measured below: at 2 ranks one-shot always won (up to 8 MiB)

@@ -19,6 +19,7 @@ import cloudpickle
 
 from ..distributed import PeerWatch, RankFailure, RankProcess, process_state
 from ..shm import attach_shared_memory, create_shared_memory
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['DEFAULT_MAX_BYTES', 'ERROR_BYTES', 'encode_command', 'decode_command', 'WorkerHandle', 'ShmCommandChannel',
@@ -121,7 +122,6 @@ def _read_error(buf, rank: int) -> str:
 
 class ShmCommandChannel:
     "Rank 0's end of the command channel: a shared-memory segment, and a wake-up and an acknowledgement pipe per worker."
-
     def __init__(self, n_workers: int, max_bytes: int = DEFAULT_MAX_BYTES, poll_s: float = 0.1, grace_s: float = 5.0,
                  stopped_grace_s: float = 3.0):
         if n_workers < 1:
@@ -144,8 +144,10 @@ class ShmCommandChannel:
 
     @property
     def name(self) -> str: return self._owner.shm.name
+
     @property
     def closed(self) -> bool: return not self._finalizer.still_active()
+
     @property
     def processes(self) -> dict: return dict(self._owner.procs)
 
@@ -178,100 +180,109 @@ class ShmCommandChannel:
         self._watch.pids = {rank: p.pid for rank, p in o.procs.items()}
         return list(o.procs.values())
 
-    def _failure(self, rank: int, acked: bool = False) -> str | None:
-        "Why worker `rank` cannot go on (its traceback, or how it died), or None while it is fine."
-        p = self._owner.procs.get(rank)
-        dead = p is not None and not p.is_alive()
-        # subtle: read the error slot only after an `e` on the ack pipe (`acked`) or seeing the worker dead:
-        # both order the worker's writes (text, then length, then the byte) before our read.
-        if dead or acked:
-            if (text := _read_error(self._owner.shm.buf, rank)):
-                return f"worker rank {rank} raised:\n{text}"
-        if dead:
-            return f"worker rank {rank} (pid {p.pid}) {p.describe()}"
-        return None
-
-    def _check_dead(self) -> None:
-        "Raise `RankFailure` if a worker has died, with the traceback it left or how it ended."
-        if self.closed:
-            raise RuntimeError(f"the channel {self.name} is closed")
-        for rank in range(1, self.n_workers + 1):
-            if (why := self._failure(rank)):
-                raise RankFailure(why)
-
-    def check(self) -> None:
-        "Raise `RankFailure` if a worker has died (with the traceback it left), or has been frozen; return at once otherwise."
-        for rank, p in self._owner.procs.items():
-            if p.is_alive() and process_state(p.pid) == "dead":
-                p.join(1.0)  # subtle: it died a moment ago and is not reaped yet; reaping tells how it ended
-        self._check_dead()
-        try:
-            self._watch.check()
-        except RankFailure as e:
-            raise RankFailure(f"worker {e}") from None
-
-    def send(self, method: str, *args) -> None:
-        "Write `method(*args)` into the segment and wake every worker (after the previous command's acks are in)."
-        data = encode_command(method, *args)
-        if len(data) > self.max_bytes:
-            raise ValueError(f"command {method!r} pickles to {len(data):,} bytes, more than this channel's limit of "
-                             f"{self.max_bytes:,} bytes: send less (decode needs only the last token of each sequence) "
-                             f"or create the channel with a larger max_bytes")
-        if self._unacked:
-            self.wait()
-        self._check_dead()
-        buf = self._owner.shm.buf
-        off = _payload_offset(self.n_workers)
-        buf[off:off + len(data)] = data
-        self._seq += 1
-        _HEADER.pack_into(buf, 0, self._seq, len(data), 0)
-        # subtle: the pipe write orders the writes above before the worker's reads (a system call each side);
-        # and we only get here once every worker has acknowledged command seq - 1, so nobody is still reading.
-        self._unacked = set(range(1, self.n_workers + 1))
-        for rank in self._unacked:
-            try:
-                os.write(self._owner.wake[rank - 1][1], b"w")
-            except BrokenPipeError:  # it died: the wait below says how
-                pass
-
-    def wait(self, timeout_s: float | None = None) -> None:
-        "Block until every worker has copied the last command; raise `RankFailure` if one fails, dies, freezes or times out."
-        if not self._unacked:
-            return
-        self.check()
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self._unacked:
-            fds = {self._owner.ack[rank - 1][0]: rank for rank in self._unacked}
-            ready, _, _ = select.select(list(fds), [], [], self.poll_s)
-            for fd in ready:
-                rank, byte = fds[fd], os.read(fd, 1)
-                if byte == b"a":
-                    # subtle: forget each acknowledgement as soon as it is read, so that a wait that raised (a timeout)
-                    # can be retried without waiting again for bytes it has already consumed.
-                    self._unacked.discard(rank)
-                    continue
-                if byte == b"":  # end of file: the worker is gone; give it a moment to be reaped
-                    self._owner.procs[rank].join(2.0) if rank in self._owner.procs else None
-                why = self._failure(rank, acked=True)
-                raise RankFailure(why or f"worker rank {rank} closed its end of the channel")
-            if not ready:
-                self.check()  # every worker, not only the one we wait for: a dead rank 2 can block rank 1
-                if deadline is not None and time.monotonic() > deadline:
-                    raise RankFailure(f"worker rank {min(self._unacked)} did not acknowledge command {self._seq} "
-                                      f"within {timeout_s} s")
-
-    def call(self, method: str, *args, wait: bool = True) -> None:
-        "Send `method(*args)` to every worker; with `wait`, return once all have copied it."
-        self.send(method, *args)
-        if wait:
-            self.wait()
-
     def close(self) -> None:
         "Stop the workers (exit flag, then `grace_s` seconds, then kill), close the pipes, unlink the segment. Idempotent."
         self._finalizer()
 
     def __enter__(self): return self
+
     def __exit__(self, *exc): self.close()
+
+# %% ../../nbs/10_shm_ipc.ipynb #6e55bb34
+@patch
+def _failure(self: ShmCommandChannel, rank: int, acked: bool = False) -> str | None:
+    "Why worker `rank` cannot go on (its traceback, or how it died), or None while it is fine."
+    p = self._owner.procs.get(rank)
+    dead = p is not None and not p.is_alive()
+    # subtle: read the error slot only after an `e` on the ack pipe (`acked`) or seeing the worker dead:
+    # both order the worker's writes (text, then length, then the byte) before our read.
+    if dead or acked:
+        if (text := _read_error(self._owner.shm.buf, rank)):
+            return f"worker rank {rank} raised:\n{text}"
+    if dead:
+        return f"worker rank {rank} (pid {p.pid}) {p.describe()}"
+    return None
+
+@patch
+def _check_dead(self: ShmCommandChannel) -> None:
+    "Raise `RankFailure` if a worker has died, with the traceback it left or how it ended."
+    if self.closed:
+        raise RuntimeError(f"the channel {self.name} is closed")
+    for rank in range(1, self.n_workers + 1):
+        if (why := self._failure(rank)):
+            raise RankFailure(why)
+
+@patch
+def check(self: ShmCommandChannel) -> None:
+    "Raise `RankFailure` if a worker has died (with the traceback it left), or has been frozen; return at once otherwise."
+    for rank, p in self._owner.procs.items():
+        if p.is_alive() and process_state(p.pid) == "dead":
+            p.join(1.0)  # subtle: it died a moment ago and is not reaped yet; reaping tells how it ended
+    self._check_dead()
+    try:
+        self._watch.check()
+    except RankFailure as e:
+        raise RankFailure(f"worker {e}") from None
+
+# %% ../../nbs/10_shm_ipc.ipynb #a956094a
+@patch
+def send(self: ShmCommandChannel, method: str, *args) -> None:
+    "Write `method(*args)` into the segment and wake every worker (after the previous command's acks are in)."
+    data = encode_command(method, *args)
+    if len(data) > self.max_bytes:
+        raise ValueError(f"command {method!r} pickles to {len(data):,} bytes, more than this channel's limit of "
+                         f"{self.max_bytes:,} bytes: send less (decode needs only the last token of each sequence) "
+                         f"or create the channel with a larger max_bytes")
+    if self._unacked:
+        self.wait()
+    self._check_dead()
+    buf = self._owner.shm.buf
+    off = _payload_offset(self.n_workers)
+    buf[off:off + len(data)] = data
+    self._seq += 1
+    _HEADER.pack_into(buf, 0, self._seq, len(data), 0)
+    # subtle: the pipe write orders the writes above before the worker's reads (a system call each side);
+    # and we only get here once every worker has acknowledged command seq - 1, so nobody is still reading.
+    self._unacked = set(range(1, self.n_workers + 1))
+    for rank in self._unacked:
+        try:
+            os.write(self._owner.wake[rank - 1][1], b"w")
+        except BrokenPipeError:  # it died: the wait below says how
+            pass
+
+@patch
+def wait(self: ShmCommandChannel, timeout_s: float | None = None) -> None:
+    "Block until every worker has copied the last command; raise `RankFailure` if one fails, dies, freezes or times out."
+    if not self._unacked:
+        return
+    self.check()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while self._unacked:
+        fds = {self._owner.ack[rank - 1][0]: rank for rank in self._unacked}
+        ready, _, _ = select.select(list(fds), [], [], self.poll_s)
+        for fd in ready:
+            rank, byte = fds[fd], os.read(fd, 1)
+            if byte == b"a":
+                # subtle: forget each acknowledgement as soon as it is read, so that a wait that raised (a timeout)
+                # can be retried without waiting again for bytes it has already consumed.
+                self._unacked.discard(rank)
+                continue
+            if byte == b"":  # end of file: the worker is gone; give it a moment to be reaped
+                self._owner.procs[rank].join(2.0) if rank in self._owner.procs else None
+            why = self._failure(rank, acked=True)
+            raise RankFailure(why or f"worker rank {rank} closed its end of the channel")
+        if not ready:
+            self.check()  # every worker, not only the one we wait for: a dead rank 2 can block rank 1
+            if deadline is not None and time.monotonic() > deadline:
+                raise RankFailure(f"worker rank {min(self._unacked)} did not acknowledge command {self._seq} "
+                                  f"within {timeout_s} s")
+
+@patch
+def call(self: ShmCommandChannel, method: str, *args, wait: bool = True) -> None:
+    "Send `method(*args)` to every worker; with `wait`, return once all have copied it."
+    self.send(method, *args)
+    if wait:
+        self.wait()
 
 # %% ../../nbs/10_shm_ipc.ipynb #e10093f7
 class OwnerDied(RuntimeError):

@@ -14,6 +14,7 @@ from enum import Enum
 from ..config import check_positive_int, check_token_ids, is_int
 from .block_manager import BlockManager
 from ..sampling_params import SamplingParams
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['SequenceStatus', 'Sequence', 'token_positions', 'context_lengths', 'ScheduledBatch', 'Scheduler']
@@ -166,72 +167,6 @@ class Scheduler:
         return seq
 
     # ---- scheduling
-    def schedule(self) -> ScheduledBatch:
-        "The next step's batch: a prefill batch if there is prompt to compute and room for it, else a decode batch."
-        if self.is_finished():
-            raise RuntimeError("nothing to schedule: every sequence has finished (check is_finished() first)")
-        return self._schedule_prefill() or self._schedule_decode()
-
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        "Continue chunked prefills, then admit waiting sequences while slots, budget and blocks last; None if none."
-        budget, seqs, computed, new = self.max_num_batched_tokens, [], [], []
-        def take(seq: Sequence):
-            nonlocal budget
-            n = min(seq.num_uncomputed_tokens, budget)  # the whole rest of the prompt, or a chunk of it
-            seqs.append(seq); computed.append(seq.num_computed_tokens); new.append(n)
-            budget -= n
-        for seq in self.running:  # prompts already being prefilled, oldest first
-            if budget == 0:
-                break
-            # subtle: one uncomputed token is a decode; more is the rest of a prompt being prefilled in chunks.
-            if seq.num_uncomputed_tokens > 1:
-                take(seq)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            first = seq.shares_prompt_with
-            # subtle: another sample of the same prompt waits until the first one's prompt is in the cache, so that
-            # its allocation finds every full block of the prompt there instead of computing them a second time
-            if first is not None and not first.is_finished and first.num_computed_tokens < first.num_prompt_tokens:
-                break
-            if not self.block_manager.can_allocate(seq.token_ids):
-                break  # first come, first served: later requests do not overtake it
-            seq.block_table, seq.num_cached_tokens = self.block_manager.allocate(seq.token_ids)
-            seq.num_computed_tokens = seq.num_cached_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(self.waiting.popleft())
-            take(seq)
-        return ScheduledBatch(seqs, is_prefill=True, num_computed_tokens=computed, num_new_tokens=new) if seqs else None
-
-    def _schedule_decode(self) -> ScheduledBatch:
-        "One token for every running sequence, preempting the newest ones while the cache has no room."
-        scheduled, preempted = [], []
-        while self.running:
-            seq = self.running.popleft()
-            # the step computes the K/V of the newest token, at position num_tokens - 1: room for num_tokens
-            while not self.block_manager.can_grow(seq.block_table, seq.num_tokens):
-                victim = self.running.pop() if self.running else seq
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                self.block_manager.grow(seq.block_table, seq.num_tokens)
-                scheduled.append(seq)
-        self.running.extend(scheduled)
-        if not scheduled:  # cannot happen: alone in the cache, any accepted sequence fits (see `add`)
-            raise RuntimeError("no running sequence fits in the KV cache: the admission checks in add() were bypassed")
-        return ScheduledBatch(scheduled, is_prefill=False, num_computed_tokens=[s.num_tokens - 1 for s in scheduled],
-                              num_new_tokens=[1] * len(scheduled), preempted=preempted)
-
-    def _preempt(self, seq: Sequence) -> None:
-        "Free `seq`'s blocks and put it first in the waiting queue, to be recomputed from all its tokens so far."
-        self.block_manager.free(seq.block_table)
-        seq.block_table, seq.num_computed_tokens, seq.num_cached_tokens = [], 0, 0
-        seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        # subtle: victims are taken newest first and each goes to the front, so the queue keeps their admission order.
-        self.waiting.appendleft(seq)
 
     def abort(self, seq: Sequence, finish_reason: str = "abort") -> None:
         "Stop `seq` now, waiting or running: its blocks are freed and it finishes (reason 'abort'). No-op if finished."
@@ -245,50 +180,126 @@ class Scheduler:
         seq.block_table, seq.status, seq.finish_reason = [], SequenceStatus.FINISHED, finish_reason
 
     # ---- recording a step
-    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int | None],
-                    logprobs: list[dict[int, float] | None] | None = None) -> list[Sequence]:
-        "Record a computed step, given one sampled token per sequence (ignored where `batch.samples` is False) and its logprobs; the finished ones."
-        if len(sampled_token_ids) != batch.num_seqs:
-            raise ValueError(f"expected one sampled token per sequence of the batch ({batch.num_seqs}), "
-                             f"got {len(sampled_token_ids)}")
-        for i, (seq, computed, samples, token) in enumerate(zip(batch.seqs, batch.num_computed_tokens, batch.samples,
-                                                                sampled_token_ids)):
-            if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != computed:
-                raise RuntimeError(f"sequence {seq.seq_id} changed since this batch was scheduled: call postprocess "
-                                   "exactly once for each batch, before the next schedule()")
-            if samples and (not is_int(token) or token < 0):
-                raise ValueError(f"the token sampled for sequence {seq.seq_id} must be a token id (an integer >= 0), "
-                                 f"got {token!r}")
-            if samples and seq.logprobs is not None and not (logprobs and isinstance(logprobs[i], dict)):
-                raise ValueError(f"sequence {seq.seq_id} asked for logprobs: give a {{token id: logprob}} for its token")
-        finished = []  # checked everything first: a bad call changes nothing
-        for i, (seq, computed, new, samples, token) in enumerate(zip(
-                batch.seqs, batch.num_computed_tokens, batch.num_new_tokens, batch.samples, sampled_token_ids)):
-            seq.num_computed_tokens = computed + new
-            self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
-            if not samples:
-                continue  # a chunk of a prompt: its logits are not the next token's
-            seq.token_ids.append(int(token))
-            if seq.logprobs is not None:
-                seq.logprobs.append(logprobs[i])
-            seq.finish_reason = self._finish_reason(seq)
-            if seq.finish_reason is not None:
-                seq.status = SequenceStatus.FINISHED
-                self.block_manager.free(seq.block_table)
-                seq.block_table = []
-                self.running.remove(seq)
-                finished.append(seq)
-        return finished
-
-    def _finish_reason(self, seq: Sequence) -> str | None:
-        "'stop' after a stop token, 'length' at max_tokens or max_model_len, else None."
-        params, token = seq.sampling_params, seq.last_token
-        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
-            return "stop"
-        if seq.num_completion_tokens >= (params.max_tokens or self.max_model_len) or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
 
     def __repr__(self) -> str:
         return (f"Scheduler({len(self.waiting)} waiting, {len(self.running)} running, {self.num_preemptions} "
                 f"preemptions; {self.block_manager})")
+
+# %% ../../nbs/09_scheduler.ipynb #914bb531
+@patch
+def schedule(self: Scheduler) -> ScheduledBatch:
+    "The next step's batch: a prefill batch if there is prompt to compute and room for it, else a decode batch."
+    if self.is_finished():
+        raise RuntimeError("nothing to schedule: every sequence has finished (check is_finished() first)")
+    return self._schedule_prefill() or self._schedule_decode()
+
+@patch
+def _schedule_prefill(self: Scheduler) -> ScheduledBatch | None:
+    "Continue chunked prefills, then admit waiting sequences while slots, budget and blocks last; None if none."
+    budget, seqs, computed, new = self.max_num_batched_tokens, [], [], []
+    def take(seq: Sequence):
+        nonlocal budget
+        n = min(seq.num_uncomputed_tokens, budget)  # the whole rest of the prompt, or a chunk of it
+        seqs.append(seq); computed.append(seq.num_computed_tokens); new.append(n)
+        budget -= n
+    for seq in self.running:  # prompts already being prefilled, oldest first
+        if budget == 0:
+            break
+        # subtle: one uncomputed token is a decode; more is the rest of a prompt being prefilled in chunks.
+        if seq.num_uncomputed_tokens > 1:
+            take(seq)
+    while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        seq = self.waiting[0]
+        first = seq.shares_prompt_with
+        # subtle: another sample of the same prompt waits until the first one's prompt is in the cache, so that
+        # its allocation finds every full block of the prompt there instead of computing them a second time
+        if first is not None and not first.is_finished and first.num_computed_tokens < first.num_prompt_tokens:
+            break
+        if not self.block_manager.can_allocate(seq.token_ids):
+            break  # first come, first served: later requests do not overtake it
+        seq.block_table, seq.num_cached_tokens = self.block_manager.allocate(seq.token_ids)
+        seq.num_computed_tokens = seq.num_cached_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(self.waiting.popleft())
+        take(seq)
+    return ScheduledBatch(seqs, is_prefill=True, num_computed_tokens=computed, num_new_tokens=new) if seqs else None
+
+@patch
+def _schedule_decode(self: Scheduler) -> ScheduledBatch:
+    "One token for every running sequence, preempting the newest ones while the cache has no room."
+    scheduled, preempted = [], []
+    while self.running:
+        seq = self.running.popleft()
+        # the step computes the K/V of the newest token, at position num_tokens - 1: room for num_tokens
+        while not self.block_manager.can_grow(seq.block_table, seq.num_tokens):
+            victim = self.running.pop() if self.running else seq
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                break
+        else:
+            self.block_manager.grow(seq.block_table, seq.num_tokens)
+            scheduled.append(seq)
+    self.running.extend(scheduled)
+    if not scheduled:  # cannot happen: alone in the cache, any accepted sequence fits (see `add`)
+        raise RuntimeError("no running sequence fits in the KV cache: the admission checks in add() were bypassed")
+    return ScheduledBatch(scheduled, is_prefill=False, num_computed_tokens=[s.num_tokens - 1 for s in scheduled],
+                          num_new_tokens=[1] * len(scheduled), preempted=preempted)
+
+@patch
+def _preempt(self: Scheduler, seq: Sequence) -> None:
+    "Free `seq`'s blocks and put it first in the waiting queue, to be recomputed from all its tokens so far."
+    self.block_manager.free(seq.block_table)
+    seq.block_table, seq.num_computed_tokens, seq.num_cached_tokens = [], 0, 0
+    seq.status = SequenceStatus.WAITING
+    seq.num_preemptions += 1
+    self.num_preemptions += 1
+    # subtle: victims are taken newest first and each goes to the front, so the queue keeps their admission order.
+    self.waiting.appendleft(seq)
+
+# %% ../../nbs/09_scheduler.ipynb #1b95919a
+@patch
+def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[int | None],
+                logprobs: list[dict[int, float] | None] | None = None) -> list[Sequence]:
+    "Record a computed step, given one sampled token per sequence (ignored where `batch.samples` is False) and its logprobs; the finished ones."
+    if len(sampled_token_ids) != batch.num_seqs:
+        raise ValueError(f"expected one sampled token per sequence of the batch ({batch.num_seqs}), "
+                         f"got {len(sampled_token_ids)}")
+    for i, (seq, computed, samples, token) in enumerate(zip(batch.seqs, batch.num_computed_tokens, batch.samples,
+                                                            sampled_token_ids)):
+        if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != computed:
+            raise RuntimeError(f"sequence {seq.seq_id} changed since this batch was scheduled: call postprocess "
+                               "exactly once for each batch, before the next schedule()")
+        if samples and (not is_int(token) or token < 0):
+            raise ValueError(f"the token sampled for sequence {seq.seq_id} must be a token id (an integer >= 0), "
+                             f"got {token!r}")
+        if samples and seq.logprobs is not None and not (logprobs and isinstance(logprobs[i], dict)):
+            raise ValueError(f"sequence {seq.seq_id} asked for logprobs: give a {{token id: logprob}} for its token")
+    finished = []  # checked everything first: a bad call changes nothing
+    for i, (seq, computed, new, samples, token) in enumerate(zip(
+            batch.seqs, batch.num_computed_tokens, batch.num_new_tokens, batch.samples, sampled_token_ids)):
+        seq.num_computed_tokens = computed + new
+        self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        if not samples:
+            continue  # a chunk of a prompt: its logits are not the next token's
+        seq.token_ids.append(int(token))
+        if seq.logprobs is not None:
+            seq.logprobs.append(logprobs[i])
+        seq.finish_reason = self._finish_reason(seq)
+        if seq.finish_reason is not None:
+            seq.status = SequenceStatus.FINISHED
+            self.block_manager.free(seq.block_table)
+            seq.block_table = []
+            self.running.remove(seq)
+            finished.append(seq)
+    return finished
+
+@patch
+def _finish_reason(self: Scheduler, seq: Sequence) -> str | None:
+    "'stop' after a stop token, 'length' at max_tokens or max_model_len, else None."
+    params, token = seq.sampling_params, seq.last_token
+    if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+        return "stop"
+    if seq.num_completion_tokens >= (params.max_tokens or self.max_model_len) or seq.num_tokens >= self.max_model_len:
+        return "length"
+    return None
