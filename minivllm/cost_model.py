@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 
 # %% auto #0
-__all__ = ['H100_SXM', 'H100_PCIE', 'QWEN3_SHAPES', 'StepTimes', 'time_decode_steps', 'skeleton_checkpoint', 'time_in_a_crowd',
-           'collective_latency', 'StepModel', 'GPU', 'qwen3_params', 'gpu_decode_step']
+__all__ = ['StepTimes', 'time_decode_steps', 'skeleton_checkpoint', 'time_in_a_crowd', 'collective_latency', 'StepModel', 'GPU',
+           'qwen3_params', 'gpu_decode_step']
 
 # %% ../nbs/16_tp_cost_model.ipynb #7f024cb4
 @dataclass
@@ -65,7 +65,7 @@ def time_decode_steps(model: str | Path | None, tensor_parallel_size: int = 1, b
 # %% ../nbs/16_tp_cost_model.ipynb #459f506d
 def skeleton_checkpoint(model: str | Path, path: str | Path) -> Path:
     "A random checkpoint with `model`'s layers, heads and type but almost no width: its forward pass is all dispatch."
-    from minivllm.testing import make_tiny_checkpoint
+    from minivllm.checkpoints import make_tiny_checkpoint
     c = json.loads((Path(model) / "config.json").read_text())
     heads = c["num_attention_heads"]
     kw = dict(vocab_size=128, hidden_size=2 * heads, intermediate_size=16, num_hidden_layers=c["num_hidden_layers"],
@@ -135,15 +135,6 @@ class GPU:
     link_bytes_per_s: float  # one direction
     allreduce_latency_s: float
     step_overhead_s: float = 20e-6  # per step, with CUDA graphs
-
-H100_SXM = GPU("H100 SXM, NVLink", 3.35e12, 450e9, 8e-6)
-H100_PCIE = GPU("H100 PCIe", 2.0e12, 64e9, 25e-6)
-
-QWEN3_SHAPES = {  # layers, hidden, intermediate, query heads, KV heads, head dim, vocabulary, tied
-    "Qwen3-0.6B": (28, 1024, 3072, 16, 8, 128, 151936, True),
-    "Qwen3-8B": (36, 4096, 12288, 32, 8, 128, 151936, False),
-    "Qwen3-32B": (64, 5120, 25600, 64, 8, 128, 151936, False),
-}
 
 def qwen3_params(shape: tuple) -> int:
     "Parameters of a Qwen3 of this shape: embeddings, attention (with q/k norms), SwiGLU MLP, norms, head."

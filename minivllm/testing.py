@@ -13,50 +13,32 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .bench.workload import ServerProcess, default_sigint  # noqa: F401 (the tests import them from here)
+from .checkpoints import make_tiny_checkpoint
 from .engine.block_manager import BlockManager
+from .engine.ipc import worker_loop
+from .engine.multinode import GlooCommandChannel, GlooCommandReceiver
 from .engine.scheduler import SamplingParams, ScheduledBatch, Scheduler, SequenceStatus
 from .kv_cache import Attention, allocate_kv_cache, decode_metadata, prefill_metadata, slot_mapping, store_kvcache
 from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from .llm import DEFAULT_MODEL, LLM
 from .models import CausalLM
+from .engine.wire import ClusterKey
 from .shm_allreduce import SEGMENT_PREFIX
 
 # %% auto #0
-__all__ = ['CHAT_TEMPLATE', 'ATTENTION_TOL', 'FAKE_VOCAB', 'make_tiny_checkpoint', 'make_chat_checkpoint', 'greedy_generate',
-           'prefill_logits', 'hf_logits', 'hf_greedy', 'rand', 'load_layer', 'load_tensors', 'split_heads',
-           'gqa_attention', 'TinyLM', 'hf_rope', 'hf_rotate', 'dense_causal_attention', 'random_sequences', 'cat_rows',
-           'scattered_block_tables', 'tiny_store_inputs', 'PagedCase', 'check_prefill_then_decode', 'check_invariants',
-           'next_token', 'FakeRunner', 'reference_tokens', 'check_batch', 'step_states', 'run_scheduler',
-           'InterruptedAfterOneStep', 'Recorder', 'records', 'gone', 'wait_until', 'default_sigint', 'rank_processes',
-           'shm_segments', 'leftover_segments', 'ServerProcess', 'WorkerNode', 'tcp_listeners']
-
-# %% ../nbs/18_testing.ipynb #ea55be3c
-def make_tiny_checkpoint(path: str | Path, model_type: str = "qwen3", *, tie_word_embeddings: bool = False,
-                         vocab_size: int = 256, hidden_size: int = 64, intermediate_size: int = 128,
-                         num_hidden_layers: int = 2, num_attention_heads: int = 4, num_key_value_heads: int = 2,
-                         head_dim: int | None = None, dtype: str = "float32", initializer_range: float = 0.2,
-                         seed: int = 0, **overrides) -> Path:
-    "Save a random Hugging Face checkpoint of `model_type` with a tiny config at `path`; returns the path."
-    import transformers
-    classes = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}
-    kw = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-              num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-              num_key_value_heads=num_key_value_heads, tie_word_embeddings=tie_word_embeddings,
-              initializer_range=initializer_range, **({"max_position_embeddings": 512} | overrides))
-    if head_dim is not None: kw["head_dim"] = head_dim
-    config = classes[model_type](**kw)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    if model_type == "qwen2" or overrides.get("attention_bias") or overrides.get("mlp_bias"):
-        with torch.no_grad():  # biases start at zero; make them matter
-            for n, p in model.named_parameters():
-                if n.endswith(".bias"): p.normal_(0, initializer_range)
-    model.save_pretrained(path)
-    return Path(path)
+__all__ = ['CHAT_TEMPLATE', 'ATTENTION_TOL', 'FAKE_VOCAB', 'make_chat_checkpoint', 'greedy_generate', 'prefill_logits',
+           'hf_logits', 'hf_greedy', 'rand', 'load_layer', 'load_tensors', 'split_heads', 'gqa_attention', 'TinyLM',
+           'hf_rope', 'hf_rotate', 'dense_causal_attention', 'random_sequences', 'cat_rows', 'scattered_block_tables',
+           'tiny_store_inputs', 'PagedCase', 'check_prefill_then_decode', 'check_invariants', 'next_token',
+           'FakeRunner', 'reference_tokens', 'check_batch', 'step_states', 'run_scheduler', 'InterruptedAfterOneStep',
+           'Recorder', 'records', 'CommandRecorder', 'serve_commands', 'gone', 'wait_until', 'rank_processes',
+           'shm_segments', 'leftover_segments', 'WorkerNode', 'tcp_listeners']
 
 # %% ../nbs/18_testing.ipynb #9570d09d
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -409,6 +391,39 @@ def records(folder: str | Path) -> list[tuple]:
                 except EOFError: break
     return out
 
+# %% ../nbs/18_testing.ipynb #5daffd36
+class CommandRecorder:
+    "A handler that keeps what it was sent."
+    COMMANDS = {"take": (bytes,)}  # what it serves: the schema of its commands
+    def __init__(self, rank: int = 0): self.got = []
+    def take(self, payload: bytes): self.got.append(payload)
+
+def serve_commands(comm, payloads: list[bytes], inline_bytes: int, secret: str) -> tuple[bool, list[bytes]] | None:
+    "Rank 0 sends each payload over a `GlooCommandChannel`, rank 1 serves them with `worker_loop`; what rank 1 got, back on rank 0."
+    key = ClusterKey(secret).scoped("demo")
+    if comm.rank == 0:
+        channel = GlooCommandChannel(comm.cpu_group, key, CommandRecorder.COMMANDS, inline_bytes=inline_bytes)
+        for p in payloads:
+            channel.call("take", p, wait=False)
+        channel.call("exit")
+        channel.group = None  # subtle: the group is run_on_ranks'; its communicator closes it
+        return _received(comm, None)
+    receiver, handler = GlooCommandReceiver(comm.cpu_group, key, CommandRecorder.COMMANDS, inline_bytes=inline_bytes), CommandRecorder()
+    exited = worker_loop(receiver, handler)
+    receiver.close()
+    return _received(comm, (exited, handler.got))
+
+def _received(comm, mine):
+    "Rank 1's `mine`, on rank 0 (a length, then MessagePack, as above)."
+    if comm.rank == 1:
+        data = msgspec.msgpack.encode(mine)
+        comm.broadcast(torch.tensor([len(data)]), src=1)
+        comm.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=1)
+        return None
+    n = int(comm.broadcast(torch.zeros(1, dtype=torch.int64), src=1))
+    return msgspec.msgpack.decode(comm.broadcast(torch.empty(n, dtype=torch.uint8), src=1).numpy().tobytes(),
+                                  type=tuple[bool, list[bytes]])
+
 # %% ../nbs/18_testing.ipynb #60252a0f
 def gone(pid: int) -> bool:
     "Whether `pid` has exited (an unreaped zombie counts as gone)."
@@ -424,10 +439,6 @@ def wait_until(cond, timeout_s: float) -> bool:
         if cond(): return True
         time.sleep(0.02)
     return cond()
-
-def default_sigint() -> None:
-    "In a child about to exec: let SIGINT interrupt it, even if this process inherited it ignored (a background job)."
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 def rank_processes(parent: int) -> list[int]:
     "Pids of the live (not zombie) rank processes whose parent is `parent`: children running minivllm's bootstrap."
@@ -456,44 +467,6 @@ def leftover_segments(before: set[str], pid: int | None = None) -> list[str]:
         if creator.isdigit() and (int(creator) == pid or gone(int(creator))):
             left.append(name)
     return left
-
-# %% ../nbs/18_testing.ipynb #97d7e7ad
-class ServerProcess:
-    "`minivllm serve ARGS` in a child process on a free loopback port; `url` once it listens; SIGTERM when the block ends."
-    def __init__(self, *args: str, timeout_s: float = 180.0):
-        import queue, re, subprocess, sys, threading
-        self.log: list[str] = []  # everything the server wrote to stderr
-        # its own process group, so that a test can press Ctrl-C on the server alone (os.killpg), as a terminal does
-        self.proc = subprocess.Popen([sys.executable, "-m", "minivllm", "serve", "--port", "0", *args],
-                                     stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint, start_new_session=True)
-        lines: queue.Queue = queue.Queue()
-        def drain():  # subtle: read stderr to the end, or a chatty server would block on a full pipe
-            for line in self.proc.stderr:
-                self.log.append(line); lines.put(line)
-            lines.put(None)
-        threading.Thread(target=drain, daemon=True).start()
-        deadline, self.url = time.monotonic() + timeout_s, None
-        while self.url is None:
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                line = None
-            if line is None:
-                self.stop(signal.SIGKILL)
-                raise RuntimeError("minivllm serve did not start:\n" + "".join(self.log[-30:]))
-            if (m := re.search(r"at (http://\S+)/v1 ", line)):
-                self.url = m.group(1)
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
-        "Send `sig` and wait for the server to exit; its exit status."
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout_s)
-
-    def __enter__(self): return self
-    def __exit__(self, *exc):
-        try: self.stop()
-        except Exception: self.stop(signal.SIGKILL)
 
 # %% ../nbs/18_testing.ipynb #425472c7
 class WorkerNode:

@@ -14,7 +14,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from minivllm.bench import SHAPES, Workload, bench_minivllm, device_name, random_checkpoint
+from minivllm.bench.throughput import bench_minivllm
+from minivllm.bench.workload import Workload, device_name
+from minivllm.checkpoints import SHAPES, random_checkpoint
 from minivllm.config import Config
 from minivllm.layers.linear import cpu_model
 from minivllm.llm import DEFAULT_MODEL

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from minivllm.bench import SHAPES
+from minivllm.checkpoints import SHAPES
 from minivllm.layers.linear import GEMM_ROWS, LOGIT_ROWS, PackedWeight, cpu_model, relative_times
 from minivllm.testing import DEFAULT_MODEL
 

@@ -32,7 +32,7 @@ def traced(name: str, f):
 
 def measure(steps: int = 7) -> dict:
     "The median of `steps` profiled decode steps: its total and its phases as (phase, start ms, length ms)."
-    from minivllm.bench import Workload
+    from minivllm.bench.workload import Workload
     from minivllm.config import Config
     from minivllm.engine import model_runner
     from minivllm.llm import DEFAULT_MODEL, LLM
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     step = measure()
     out = Path(a.out)
     data = json.loads(out.read_text()) if out.exists() else {}
-    from minivllm.bench import device_name
+    from minivllm.bench.workload import device_name
     data.update(workload="the benchmark's packaged-model workload, a decode step of 64 sequences, float32, one thread",
                 device=device_name())
     data.setdefault("steps", {})[a.label] = step | {"measured": time.strftime("%Y-%m-%d")}

@@ -17,11 +17,11 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Callable
 
-import msgspec
 import torch
 import torch.distributed as dist
+from fastcore.basics import patch
 
-from ..distributed import RankFailure, RankProcess, end_processes, run_on_ranks, shutdown_groups
+from ..distributed import RankFailure, RankProcess, end_processes, shutdown_groups
 from .ipc import OwnerDied, worker_loop
 from .wire import SECRET_ENV, ClusterKey, CommandCodec, Untrusted, fields_from_wire, fields_to_wire
 
@@ -29,7 +29,7 @@ from .wire import SECRET_ENV, ClusterKey, CommandCodec, Untrusted, fields_from_w
 __all__ = ['HEARTBEAT_S', 'STALE_S', 'log', 'INLINE_BYTES', 'MAX_COMMAND_BYTES', 'ENGINE_KEY', 'ENGINE_GONE', 'NodeLayout',
            'node_label', 'address_towards', 'Heartbeat', 'HeartbeatMonitor', 'prove_membership', 'command_group',
            'GlooCommandChannel', 'GlooCommandReceiver', 'publish_engine', 'read_engine', 'claim_node', 'node_claimed',
-           'engine_answers', 'run_node', 'time_command_paths']
+           'engine_answers', 'run_node']
 
 # %% ../../nbs/10a_multi_node.ipynb #0b3f5332
 @dataclass(frozen=True)
@@ -123,6 +123,7 @@ class Heartbeat:
         self._stop.set()
         self._thread.join(timeout=2 * STALE_S)
 
+# %% ../../nbs/10a_multi_node.ipynb #faf9a8ea
 class HeartbeatMonitor:
     "Rank 0's watch over the remote ranks: `check` raises `RankFailure` for one that reported an error, or whose pulse stopped; a stranger's writes are ignored."
     def __init__(self, store: dist.Store, ranks: list[int], key: ClusterKey, stale_s: float = STALE_S,
@@ -242,58 +243,62 @@ class GlooCommandChannel:
             tail = torch.frombuffer(bytearray(rest), dtype=torch.uint8)
             self._pending.append((_broadcast(self.group, tail), tail))
 
-    def wait(self, timeout_s: float | None = None) -> None:
-        "Block until the last command has gone to every remote rank; `RankFailure` naming the rank if one is gone."
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        for work, _ in self._pending:
-            pause = 0.0
-            while not work.is_completed():
-                time.sleep(pause)
-                pause = min(1e-3, pause + 2e-5)
-                self.check()
-                if time.monotonic() > deadline:
-                    self.failed = True
-                    raise RankFailure(f"a command to the other machines was not taken within {self.timeout_s:.0f} s")
-            try:
-                work.wait()
-            except RuntimeError as e:  # a remote rank went away: give the monitor time to say which
-                self.failed = True
-                settled = time.monotonic() + (self.monitor.stale_s + 1 if self.monitor is not None else 0)
-                while time.monotonic() < settled:
-                    time.sleep(0.1)
-                    self.check(now=True)
-                raise RankFailure(f"sending a command to the other machines failed: {e}") from e
-        self._pending = []
-
     def call(self, method: str, *args, wait: bool = True) -> None:
         "Send `method(*args)` to every remote rank; with `wait`, return once it has gone."
         self.send(method, *args)
         if wait:
             self.wait()
 
-    def check(self, now: bool = False) -> None:
-        "Raise `RankFailure` if a remote rank has failed (what the monitor knows)."
-        if self.monitor is not None:
-            try:
-                self.monitor.check(now)
-            except RankFailure:
+# %% ../../nbs/10a_multi_node.ipynb #d311ca05
+@patch
+def wait(self: GlooCommandChannel, timeout_s: float | None = None) -> None:
+    "Block until the last command has gone to every remote rank; `RankFailure` naming the rank if one is gone."
+    deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+    for work, _ in self._pending:
+        pause = 0.0
+        while not work.is_completed():
+            time.sleep(pause)
+            pause = min(1e-3, pause + 2e-5)
+            self.check()
+            if time.monotonic() > deadline:
                 self.failed = True
-                raise
-
-    def close(self) -> None:
-        "Tell the remote ranks to exit (unless one has failed), then close the group. Idempotent."
-        if self.closed:
-            return
+                raise RankFailure(f"a command to the other machines was not taken within {self.timeout_s:.0f} s")
         try:
-            if not self.failed:
-                self.check(now=True)  # subtle: a remote rank known to be gone would never take the exit
-                self.call("exit", wait=False)
-                self.wait(timeout_s=5.0)
-        except (RankFailure, RuntimeError):
-            pass
-        finally:
-            group, self.group, self._pending = self.group, None, []
-            shutdown_groups([group])
+            work.wait()
+        except RuntimeError as e:  # a remote rank went away: give the monitor time to say which
+            self.failed = True
+            settled = time.monotonic() + (self.monitor.stale_s + 1 if self.monitor is not None else 0)
+            while time.monotonic() < settled:
+                time.sleep(0.1)
+                self.check(now=True)
+            raise RankFailure(f"sending a command to the other machines failed: {e}") from e
+    self._pending = []
+
+@patch
+def check(self: GlooCommandChannel, now: bool = False) -> None:
+    "Raise `RankFailure` if a remote rank has failed (what the monitor knows)."
+    if self.monitor is not None:
+        try:
+            self.monitor.check(now)
+        except RankFailure:
+            self.failed = True
+            raise
+
+@patch
+def close(self: GlooCommandChannel) -> None:
+    "Tell the remote ranks to exit (unless one has failed), then close the group. Idempotent."
+    if self.closed:
+        return
+    try:
+        if not self.failed:
+            self.check(now=True)  # subtle: a remote rank known to be gone would never take the exit
+            self.call("exit", wait=False)
+            self.wait(timeout_s=5.0)
+    except (RankFailure, RuntimeError):
+        pass
+    finally:
+        group, self.group, self._pending = self.group, None, []
+        shutdown_groups([group])
 
 # %% ../../nbs/10a_multi_node.ipynb #494c2816
 class GlooCommandReceiver:
@@ -350,39 +355,6 @@ class GlooCommandReceiver:
         if self.group is not None:
             group, self.group = self.group, None
             shutdown_groups([group])
-
-# %% ../../nbs/10a_multi_node.ipynb #85a5876b
-class _Recorder:
-    "A handler that keeps what it was sent (the demonstrations and the benchmark below)."
-    COMMANDS = {"take": (bytes,)}  # what it serves: the schema of its commands
-    def __init__(self, rank: int = 0): self.got = []
-    def take(self, payload: bytes): self.got.append(payload)
-
-def _serve_commands(comm, payloads: list[bytes], inline_bytes: int, secret: str) -> tuple[bool, list[bytes]] | None:
-    "Rank 0 sends each payload over a `GlooCommandChannel`, rank 1 serves them with `worker_loop`; what rank 1 got, back on rank 0."
-    key = ClusterKey(secret).scoped("demo")
-    if comm.rank == 0:
-        channel = GlooCommandChannel(comm.cpu_group, key, _Recorder.COMMANDS, inline_bytes=inline_bytes)
-        for p in payloads:
-            channel.call("take", p, wait=False)
-        channel.call("exit")
-        channel.group = None  # subtle: the group is run_on_ranks'; its communicator closes it
-        return _received(comm, None)
-    receiver, handler = GlooCommandReceiver(comm.cpu_group, key, _Recorder.COMMANDS, inline_bytes=inline_bytes), _Recorder()
-    exited = worker_loop(receiver, handler)
-    receiver.close()
-    return _received(comm, (exited, handler.got))
-
-def _received(comm, mine):
-    "Rank 1's `mine`, on rank 0 (a length, then MessagePack, as above)."
-    if comm.rank == 1:
-        data = msgspec.msgpack.encode(mine)
-        comm.broadcast(torch.tensor([len(data)]), src=1)
-        comm.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=1)
-        return None
-    n = int(comm.broadcast(torch.zeros(1, dtype=torch.int64), src=1))
-    return msgspec.msgpack.decode(comm.broadcast(torch.empty(n, dtype=torch.uint8), src=1).numpy().tobytes(),
-                                  type=tuple[bool, list[bytes]])
 
 # %% ../../nbs/10a_multi_node.ipynb #741bb78b
 ENGINE_KEY = "engine/args"  # where node 0 publishes the engine: its id and arguments, sealed
@@ -471,6 +443,7 @@ def _remote_rank_main(rank: int, master_addr: str, master_port: int, node: int, 
     if not exited:
         raise SystemExit(ENGINE_GONE)
 
+# %% ../../nbs/10a_multi_node.ipynb #e9baaf93
 def run_node(master_addr: str, master_port: int, node: int, make_handler: Callable, *, args_type: type, secret: str | None,
              nnodes: int | None = None, node_addr: str | None = None, model: str | None = None,
              timeout_s: float = 300.0, log: Callable[[str], None] = print) -> int:
@@ -532,56 +505,3 @@ def run_node(master_addr: str, master_port: int, node: int, make_handler: Callab
                 return 0
     finally:
         end_processes(procs.values())
-
-# %% ../../nbs/10a_multi_node.ipynb #3194f66f
-class _Sink:
-    "A worker's handler that takes a command and drops it (the benchmark's)."
-    COMMANDS = {"take": (bytes,)}
-    def __init__(self, rank: int = 0): pass
-    def take(self, payload: bytes) -> None: pass
-
-def _time_broadcasts(comm, sizes: list[int], iters: int, inline_bytes: int, secret: str) -> dict[int, float]:
-    "Seconds per command of `sizes` bytes sent back to back over a `GlooCommandChannel` (rank 0's clock)."
-    out, key = {}, ClusterKey(secret).scoped("bench")
-    if comm.rank == 0:
-        channel = GlooCommandChannel(comm.cpu_group, key, _Sink.COMMANDS, inline_bytes=inline_bytes)
-        for n in sizes:
-            payload = b"x" * n
-            for _ in range(3): channel.call("take", payload)
-            comm.barrier()
-            start = time.perf_counter()
-            for _ in range(iters): channel.call("take", payload)
-            comm.barrier()  # subtle: the last command has been received, not only sent
-            out[n] = (time.perf_counter() - start) / iters
-        channel.call("exit")
-        return out
-    receiver = GlooCommandReceiver(comm.cpu_group, key, _Sink.COMMANDS, inline_bytes=inline_bytes)
-    for n in sizes:
-        for _ in range(3): receiver.recv()
-        comm.barrier()
-        for _ in range(iters): receiver.recv()
-        comm.barrier()
-    receiver.recv()  # exit
-    return out
-
-def time_command_paths(sizes: list[int], iters: int = 200, repeats: int = 3,
-                       inline_bytes: int = INLINE_BYTES) -> dict[str, dict[int, float]]:
-    "Median seconds per command of each size, through shared memory and through the gloo broadcast, between two processes."
-    from minivllm.engine.ipc import ShmCommandChannel
-    from minivllm.engine.multinode import _Sink, _time_broadcasts  # subtle: by name, even from a notebook
-    shm, gloo = {n: [] for n in sizes}, {n: [] for n in sizes}
-    secret = secrets.token_urlsafe(32)
-    with ShmCommandChannel(1, max_bytes=max(sizes) + 4096) as channel:
-        channel.start_workers(_Sink)
-        for rep in range(repeats):
-            for n in sizes:
-                payload = b"x" * n
-                for _ in range(3): channel.call("take", payload)
-                start = time.perf_counter()
-                for _ in range(iters): channel.call("take", payload)
-                shm[n].append((time.perf_counter() - start) / iters)
-            for n, t in run_on_ranks(_time_broadcasts, 2, sizes, iters, inline_bytes, secret).items():
-                gloo[n].append(t)
-    median = lambda ts: sorted(ts)[len(ts) // 2]
-    return {"shared memory": {n: median(ts) for n, ts in shm.items()},
-            "gloo broadcast": {n: median(ts) for n, ts in gloo.items()}}
