@@ -21,14 +21,8 @@ from minivllm.checkpoints import SHAPES
 from minivllm.layers.linear import GEMM_ROWS, LOGIT_ROWS, PackedWeight, cpu_model, relative_times
 from minivllm.testing import DEFAULT_MODEL
 
+from measure_cpu_gemm import layer_shapes  # tools/, beside this script
 
-
-def layer_shapes(c: dict) -> dict[str, tuple[int, int]]:
-    "The `(out, in)` weight of each linear layer of a transformer block and of the LM head, at TP=1."
-    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    h, i = c["hidden_size"], c["intermediate_size"]
-    return {"qkv": ((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd, h),
-            "o": (h, c["num_attention_heads"] * hd), "gate_up": (2 * i, h), "down": (h, i), "lm_head": (c["vocab_size"], h)}
 
 
 def kernels_for(w32: torch.Tensor) -> dict:

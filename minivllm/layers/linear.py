@@ -28,10 +28,10 @@ from ..distributed import Communicator, divide
 # %% auto #0
 __all__ = ['GEMM_KERNELS', 'GEMM_ROWS', 'LOGIT_ROWS', 'LinearBase', 'ReplicatedLinear', 'ColumnParallelLinear',
            'RowParallelLinear', 'MergedColumnParallelLinear', 'heads_per_rank', 'QKVParallelLinear',
-           'mkl_packing_available', 'PackedWeight', 'onednn_packing_available', 'OneDNNWeight', 'gemm_kernels',
-           'pack_weight', 'cpu_gemm_setting', 'time_gemm', 'relative_times', 'pick_gemm', 'cpu_model', 'gemm_cache_key',
-           'gemm_cache_path', 'read_gemm_cache', 'save_gemm_choice', 'machine_busy', 'cores_busy_elsewhere',
-           'quiet_enough', 'choose_gemm']
+           'mkl_packing_available', 'check_packable', 'check_fits', 'PackedWeight', 'onednn_packing_available',
+           'OneDNNWeight', 'gemm_kernels', 'pack_weight', 'cpu_gemm_setting', 'time_gemm', 'relative_times',
+           'pick_gemm', 'cpu_model', 'gemm_cache_key', 'gemm_cache_path', 'read_gemm_cache', 'save_gemm_choice',
+           'machine_busy', 'cores_busy_elsewhere', 'quiet_enough', 'choose_gemm']
 
 # %% ../../nbs/03_parallel_linear.ipynb #bb9274af
 class LinearBase(nn.Module):
@@ -217,14 +217,24 @@ def mkl_packing_available() -> bool:
     except (RuntimeError, AttributeError):  # an op that is declared but not built in
         return False
 
+def check_packable(weight: torch.Tensor, packer: str) -> None:
+    "`ValueError` unless `weight` is what a packed GEMM takes: a 2-d float32 CPU tensor."
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"{packer} packs a 2-d float32 CPU weight, got {weight.dtype} {tuple(weight.shape)} "
+                         f"on {weight.device}: keep F.linear for it")
+
+def check_fits(shape: tuple[int, int], x: torch.Tensor, bias: torch.Tensor | None) -> None:
+    "`ValueError` unless `x [..., in]` and `bias [out]` fit a packed weight of `shape` `(out, in)`."
+    if x.shape[-1] != shape[1] or (bias is not None and bias.shape != shape[:1]):
+        raise ValueError(f"input [..., {x.shape[-1]}] and bias {None if bias is None else tuple(bias.shape)} do not "
+                         f"fit a weight of shape {shape}")
+
 class PackedWeight:
     "A float32 CPU weight `[out, in]` packed once for MKL: `packed(x, bias)` is `F.linear(x, weight, bias)`."
     kernel = "mkl"
 
     def __init__(self, weight: torch.Tensor):
-        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-            raise ValueError(f"PackedWeight packs a 2-d float32 CPU weight, got {weight.dtype} {tuple(weight.shape)} "
-                             f"on {weight.device}: keep F.linear for it")
+        check_packable(weight, "PackedWeight")
         if not mkl_packing_available():
             raise RuntimeError("this torch has no MKL packed GEMM (torch.ops.mkl._mkl_linear): keep F.linear")
         self.shape = tuple(weight.shape)
@@ -234,10 +244,7 @@ class PackedWeight:
         self.stand_in = torch.zeros((), dtype=weight.dtype).expand(self.shape)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # subtle: MKL trusts these sizes with raw pointers: a wrong width or bias would read out of bounds, not fail
-        if x.shape[-1] != self.shape[1] or (bias is not None and bias.shape != self.shape[:1]):
-            raise ValueError(f"input [..., {x.shape[-1]}] and bias {None if bias is None else tuple(bias.shape)} do not "
-                             f"fit a weight of shape {self.shape}")
+        check_fits(self.shape, x, bias)  # subtle: MKL trusts these sizes with raw pointers: a misfit would read out of bounds
         rows = x.numel() // self.shape[1] if self.shape[1] else 0
         return torch.ops.mkl._mkl_linear(x, self.packed, self.stand_in, bias, rows)
 
@@ -262,9 +269,7 @@ class OneDNNWeight:
     kernel = "onednn"
 
     def __init__(self, weight: torch.Tensor):
-        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-            raise ValueError(f"OneDNNWeight packs a 2-d float32 CPU weight, got {weight.dtype} {tuple(weight.shape)} "
-                             f"on {weight.device}: keep F.linear for it")
+        check_packable(weight, "OneDNNWeight")
         if not onednn_packing_available():
             raise RuntimeError("this torch has no oneDNN packed matmul (torch.ops.mkldnn._linear_pointwise): keep F.linear")
         self.shape = tuple(weight.shape)
@@ -272,9 +277,7 @@ class OneDNNWeight:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_size=64)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[-1] != self.shape[1] or (bias is not None and bias.shape != self.shape[:1]):
-            raise ValueError(f"input [..., {x.shape[-1]}] and bias {None if bias is None else tuple(bias.shape)} do not "
-                             f"fit a weight of shape {self.shape}")
+        check_fits(self.shape, x, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
     def __repr__(self) -> str: return f"OneDNNWeight({self.shape})"
