@@ -14,20 +14,18 @@ import transformers
 
 from . import __version__
 from .bench import comm as comm_bench, serve as serve_bench, throughput as throughput_bench
-from .config import Config, resolve_model
+from .config import TOKENIZER_FILES, Config, has_tokenizer, model_folder, resolve_model
 from .distributed import RankFailure
 from .engine.scheduler import SamplingParams
-from .llm import DEFAULT_MODEL, LLM
+from .llm import LLM
 
 # %% auto #0
-__all__ = ['TOKENIZER_FILES', 'USER_ERRORS', 'check_tokenizer', 'OneLineErrorParser', 'add_node_options', 'make_parser', 'main']
+__all__ = ['USER_ERRORS', 'check_tokenizer', 'OneLineErrorParser', 'add_node_options', 'make_parser', 'main']
 
 # %% ../nbs/15_cli.ipynb #d81c6a1f
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # any one of them: a tokenizer
-
 def check_tokenizer(folder: Path, chat: bool) -> None:
     "Raise `ValueError`, before the model loads, if `folder` cannot encode text or (`chat`) has no chat template."
-    if not any((folder / name).exists() for name in TOKENIZER_FILES):
+    if not has_tokenizer(folder):
         raise ValueError(f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), so it cannot encode "
                          "text prompts: use a checkpoint folder that includes its tokenizer files")
     if chat:
@@ -157,10 +155,9 @@ def _generate_command(a: argparse.Namespace) -> int:
     "`minivllm generate`: complete the prompts and print them with their completions."
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, max_tokens=a.max_tokens,
                             seed=a.seed, ignore_eos=a.ignore_eos)
-    folder = resolve_model(a.model) if a.model is not None else DEFAULT_MODEL
-    if folder.exists():  # the checks that need no weights; a missing default model is left to LLM, which says so
-        Config.from_pretrained(folder, tensor_parallel_size=a.tp, dtype=a.dtype)
-        check_tokenizer(folder, a.chat)
+    folder = model_folder(a.model)
+    Config.from_pretrained(folder, tensor_parallel_size=a.tp, dtype=a.dtype)  # the checks that need no weights
+    check_tokenizer(folder, a.chat)
     engine_logger = logging.getLogger("minivllm")
     level = engine_logger.level
     if a.quiet:
@@ -183,9 +180,8 @@ def _serve_command(a: argparse.Namespace) -> int:
     from minivllm.server import serve
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be from 0 to 65535, got {a.port}")
-    folder = resolve_model(a.model) if a.model is not None else DEFAULT_MODEL
-    if folder.exists():  # the checks that need no weights, before anything binds or loads
-        Config.from_pretrained(folder, tensor_parallel_size=a.tp, dtype=a.dtype)
+    folder = model_folder(a.model)
+    Config.from_pretrained(folder, tensor_parallel_size=a.tp, dtype=a.dtype)  # no weights needed: before anything binds
     serve(folder if a.model is not None else None, a.tp, a.host, a.port, a.api_key or os.environ.get("MINIVLLM_API_KEY"),
           a.served_model_name or a.model, a.log_level, dtype=a.dtype, max_model_len=a.max_model_len,
           max_num_seqs=a.max_num_seqs, **_node_kwargs(a),

@@ -12,12 +12,15 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import importlib.resources
+
 import torch
 
 # %% auto #0
-__all__ = ['SUPPORTED_ROPE_TYPES', 'SUPPORTED_MODEL_TYPES', 'INT_FIELDS', 'HUB_FILE_PATTERNS', 'rope_from_hf', 'rope_type',
-           'parse_dtype', 'dtype_from_hf', 'valid_tp_sizes', 'check_tensor_parallel', 'is_int', 'is_positive_int',
-           'check_positive_int', 'check_token_ids', 'Config', 'resolve_model']
+__all__ = ['SUPPORTED_ROPE_TYPES', 'SUPPORTED_MODEL_TYPES', 'INT_FIELDS', 'TOKENIZER_FILES', 'HUB_FILE_PATTERNS', 'DEFAULT_MODEL',
+           'rope_from_hf', 'rope_type', 'parse_dtype', 'dtype_from_hf', 'valid_tp_sizes', 'check_tensor_parallel',
+           'is_int', 'is_positive_int', 'check_positive_int', 'check_token_ids', 'Config', 'resolve_model',
+           'model_folder', 'has_tokenizer']
 
 # %% ../nbs/00_config.ipynb #ca7288cb
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -270,9 +273,10 @@ Config.from_hf_dict = staticmethod(_config_from_hf_dict)
 Config.from_pretrained = staticmethod(_config_from_pretrained)
 
 # %% ../nbs/00_config.ipynb #b56fdf21
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # any one of them: a tokenizer
 HUB_FILE_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-                     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                     "vocab.json", "merges.txt", "chat_template.jinja"]  # what minivllm reads from a hub model
+                     *TOKENIZER_FILES, "special_tokens_map.json", "vocab.json", "merges.txt",
+                     "chat_template.jinja"]  # what minivllm reads from a hub model
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # org/name, as the hub spells repo ids
 
 def _env_flag(name: str) -> bool:
@@ -317,3 +321,19 @@ def resolve_model(model: str | Path) -> Path:
                             f"({cache_dir}), and it could not be downloaded ({reason}): run `hf download {repo_id}` "
                             "(`huggingface-cli download` in older huggingface_hub) on a machine with internet and "
                             "copy its cache folder here, or pass a local checkpoint folder")
+
+# %% ../nbs/00_config.ipynb #f82b11ed
+DEFAULT_MODEL = Path(str(importlib.resources.files("minivllm"))) / "default_model"  # the small model this package ships
+
+def model_folder(model: str | Path | None) -> Path:
+    "The checkpoint folder of `model` (a folder or a hub id, `resolve_model`), or the packaged model when it is None."
+    if model is not None:
+        return resolve_model(model)
+    if not DEFAULT_MODEL.exists():
+        raise FileNotFoundError(f"the package's default model is missing from {DEFAULT_MODEL}: reinstall minivllm, "
+                                "or name a checkpoint folder")
+    return DEFAULT_MODEL
+
+def has_tokenizer(folder: Path) -> bool:
+    "Whether the checkpoint folder holds a tokenizer (any of `TOKENIZER_FILES`)."
+    return any((Path(folder) / name).exists() for name in TOKENIZER_FILES)

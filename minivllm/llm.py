@@ -5,7 +5,6 @@
 # %% ../nbs/13_llm.ipynb #3989ce54
 from __future__ import annotations
 
-import importlib.resources
 import logging
 import sys
 import time
@@ -19,7 +18,7 @@ from tqdm.auto import tqdm
 
 from fastcore.basics import patch
 
-from .config import check_token_ids, is_int, resolve_model
+from .config import DEFAULT_MODEL, check_token_ids, has_tokenizer, is_int, model_folder  # noqa: F401  DEFAULT_MODEL: as before
 from .distributed import RankFailure
 from .engine.block_manager import BlockManager
 from .engine.launch import Ranks
@@ -31,8 +30,8 @@ if TYPE_CHECKING:  # the channels' types, for the annotations only: the ranks ar
     from minivllm.engine.multinode import GlooCommandChannel
 
 # %% auto #0
-__all__ = ['logger', 'DEFAULT_MODEL', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer', 'CompletionText', 'Request',
-           'LLM', 'sample_seed']
+__all__ = ['logger', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer', 'CompletionText', 'Request', 'LLM',
+           'sample_seed']
 
 # %% ../nbs/13_llm.ipynb #23843fa7
 @dataclass
@@ -81,11 +80,9 @@ if not logger.handlers:  # subtle: as vLLM does, show notices without the applic
     logger.propagate = False
 
 # %% ../nbs/13_llm.ipynb #dee4a972
-DEFAULT_MODEL = Path(str(importlib.resources.files("minivllm"))) / "default_model"  # the small model this package ships
-
 def _load_tokenizer(path: Path):
     "The checkpoint's tokenizer, or None if the folder has none (random test checkpoints)."
-    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not has_tokenizer(path):
         return None
     try:
         return transformers.AutoTokenizer.from_pretrained(path)
@@ -218,10 +215,7 @@ class LLM:
     def __init__(self, model: str | Path | None = None, tensor_parallel_size: int = 1, dtype: str | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  kvcache_block_size: int = 16, enforce_eager: bool = False, seed: int = 0, **engine_kwargs):
-        if model is None and not DEFAULT_MODEL.exists():
-            raise FileNotFoundError(f"the package's default model is missing from {DEFAULT_MODEL}: reinstall minivllm, "
-                                    "or pass model=PATH to a checkpoint folder")
-        model = resolve_model(model) if model is not None else DEFAULT_MODEL  # a folder, or a hub id (notebook 00)
+        model = model_folder(model)  # a folder, a hub id, or the packaged model (notebook 00)
         args = EngineArgs(model, tensor_parallel_size, dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
                           kvcache_block_size, enforce_eager, seed, **engine_kwargs)
         self.config = args.model_config()  # checks the checkpoint and the TP size before any process starts

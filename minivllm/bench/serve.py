@@ -143,8 +143,8 @@ def run(a: argparse.Namespace) -> int:
     "`minivllm bench serve`: the seeded workload sent to a server at each request rate; throughput, TTFT and TPOT."
     import httpx
     from minivllm.config import Config
-    from minivllm.llm import DEFAULT_MODEL
-    model = random_checkpoint(a.random_shape) if a.random_shape else Path(a.model) if a.model else DEFAULT_MODEL
+    from minivllm.config import model_folder
+    model = random_checkpoint(a.random_shape) if a.random_shape else model_folder(a.model)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
     server = None
     if a.url is None:
