@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from .engine.scheduler import SamplingParams
 from .llm import LLM, Request, RequestOutput, logger
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['EngineStats', 'AsyncLLM']
@@ -46,6 +47,7 @@ class _Stream:
         except RuntimeError:  # the caller's event loop has closed: nobody is listening any more
             pass
 
+# %% ../nbs/13a_async_llm.ipynb #b5864fbd
 class AsyncLLM:
     "An `LLM` whose loop runs in a background thread: requests join the next step and stream their outputs to asyncio callers."
     def __init__(self, llm: LLM, record_steps: bool = False):
@@ -112,80 +114,87 @@ class AsyncLLM:
         self.llm.close()
 
     def __enter__(self): return self
+
     def __exit__(self, *exc): self.close()
 
     # ---- the engine thread
-    def _loop(self) -> None:
-        "Read the inbox, step, deliver; sleep while there is nothing to do."
+
+# %% ../nbs/13a_async_llm.ipynb #70b8e5be
+@patch
+def _loop(self: AsyncLLM) -> None:
+    "Read the inbox, step, deliver; sleep while there is nothing to do."
+    try:
+        while self._read_inbox():
+            if self.llm.scheduler.is_finished():
+                self._wake.wait()
+                self._wake.clear()  # subtle: cleared before the inbox is read again, so no message is missed
+                continue
+            self._step()
+    except BaseException as e:  # the engine cannot go on (a rank died, a bug): tell every caller
+        self.error = e
+        logger.error(f"the engine stopped: {e}")
+    finally:
+        stopped = self.error or RuntimeError("the engine has shut down")
+        for request, stream in self._live.values():
+            stream.put(stopped)
+        self._live.clear()
+
+@patch
+def _read_inbox(self: AsyncLLM) -> bool:
+    "Carry out every message waiting; False once asked to close."
+    while True:
         try:
-            while self._read_inbox():
-                if self.llm.scheduler.is_finished():
-                    self._wake.wait()
-                    self._wake.clear()  # subtle: cleared before the inbox is read again, so no message is missed
-                    continue
-                self._step()
-        except BaseException as e:  # the engine cannot go on (a rank died, a bug): tell every caller
-            self.error = e
-            logger.error(f"the engine stopped: {e}")
-        finally:
-            stopped = self.error or RuntimeError("the engine has shut down")
-            for request, stream in self._live.values():
-                stream.put(stopped)
-            self._live.clear()
+            kind, *args = self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        if kind == "close":
+            return False
+        if kind == "add":
+            self._add(*args)
+        elif kind == "abort" and args[0] in self._live:
+            request, stream = self._live.pop(args[0])
+            self.llm.abort_request(request)
+            for seq in request.seqs: self._request_of.pop(seq.seq_id, None)
+            stream.put(request.delta() or request.output())
 
-    def _read_inbox(self) -> bool:
-        "Carry out every message waiting; False once asked to close."
-        while True:
-            try:
-                kind, *args = self._inbox.get_nowait()
-            except queue.Empty:
-                return True
-            if kind == "close":
-                return False
-            if kind == "add":
-                self._add(*args)
-            elif kind == "abort" and args[0] in self._live:
-                request, stream = self._live.pop(args[0])
-                self.llm.abort_request(request)
-                for seq in request.seqs: self._request_of.pop(seq.seq_id, None)
-                stream.put(request.delta() or request.output())
+@patch
+def _add(self: AsyncLLM, request_id: str, prompt, params, must_fit: bool, prompt_text: str | None, stream: _Stream) -> None:
+    if request_id in self._live:
+        stream.put(ValueError(f"a request with id {request_id!r} is already running: give each request its own id"))
+        return
+    try:
+        request = self.llm.add_request(prompt, params, request_id=request_id, stream=True, must_fit=must_fit)
+    except (ValueError, TypeError) as e:  # a bad request: its caller hears why, the engine goes on
+        stream.put(e)
+        return
+    if prompt_text is not None:
+        request.prompt_text = prompt_text  # the outputs' `prompt`, as if the engine had tokenized it
+    self._live[request_id] = (request, stream)
+    self._request_of.update({seq.seq_id: request_id for seq in request.seqs})
+    self._counts["prompt_tokens"] += len(request.seqs[0].prompt_token_ids)
 
-    def _add(self, request_id: str, prompt, params, must_fit: bool, prompt_text: str | None, stream: _Stream) -> None:
-        if request_id in self._live:
-            stream.put(ValueError(f"a request with id {request_id!r} is already running: give each request its own id"))
-            return
-        try:
-            request = self.llm.add_request(prompt, params, request_id=request_id, stream=True, must_fit=must_fit)
-        except (ValueError, TypeError) as e:  # a bad request: its caller hears why, the engine goes on
-            stream.put(e)
-            return
-        if prompt_text is not None:
-            request.prompt_text = prompt_text  # the outputs' `prompt`, as if the engine had tokenized it
-        self._live[request_id] = (request, stream)
-        self._request_of.update({seq.seq_id: request_id for seq in request.seqs})
-        self._counts["prompt_tokens"] += len(request.seqs[0].prompt_token_ids)
-
-    def _step(self) -> None:
-        "One engine step, a new stats snapshot, then every live request's news to its caller."
-        start = time.perf_counter()
-        finished, info = self.llm.step()
-        news = []
-        for request_id, (request, stream) in list(self._live.items()):
-            if (delta := request.delta()) is not None:
-                self._counts["generation_tokens"] += sum(len(c.token_ids) for c in delta.outputs)
-                news.append((stream, delta))
-                if request.is_finished:
-                    del self._live[request_id]
-        self._counts["peak_running"] = max(self._counts["peak_running"], len(info["seq_ids"]))
-        if self.steps is not None:
-            self.steps.append(dict(start=start, end=time.perf_counter(), prefill=info["prefill"],
-                                   requests=sorted({self._request_of[i] for i in info["seq_ids"]})))
-        for seq in finished:
-            self._request_of.pop(seq.seq_id, None)
-        sched, blocks = self.llm.scheduler, self.llm.scheduler.block_manager
-        self.stats = EngineStats(len(sched.running), len(sched.waiting), blocks.num_blocks - blocks.num_free_blocks,
-                                 blocks.num_free_blocks, self._counts["prompt_tokens"],
-                                 self._counts["generation_tokens"], sched.num_preemptions, self.stats.steps + 1,
-                                 self._counts["peak_running"])
-        for stream, delta in news:  # subtle: after the snapshot, so a caller that sees its end sees the stats after it
-            stream.put(delta)
+@patch
+def _step(self: AsyncLLM) -> None:
+    "One engine step, a new stats snapshot, then every live request's news to its caller."
+    start = time.perf_counter()
+    finished, info = self.llm.step()
+    news = []
+    for request_id, (request, stream) in list(self._live.items()):
+        if (delta := request.delta()) is not None:
+            self._counts["generation_tokens"] += sum(len(c.token_ids) for c in delta.outputs)
+            news.append((stream, delta))
+            if request.is_finished:
+                del self._live[request_id]
+    self._counts["peak_running"] = max(self._counts["peak_running"], len(info["seq_ids"]))
+    if self.steps is not None:
+        self.steps.append(dict(start=start, end=time.perf_counter(), prefill=info["prefill"],
+                               requests=sorted({self._request_of[i] for i in info["seq_ids"]})))
+    for seq in finished:
+        self._request_of.pop(seq.seq_id, None)
+    sched, blocks = self.llm.scheduler, self.llm.scheduler.block_manager
+    self.stats = EngineStats(len(sched.running), len(sched.waiting), blocks.num_blocks - blocks.num_free_blocks,
+                             blocks.num_free_blocks, self._counts["prompt_tokens"],
+                             self._counts["generation_tokens"], sched.num_preemptions, self.stats.steps + 1,
+                             self._counts["peak_running"])
+    for stream, delta in news:  # subtle: after the snapshot, so a caller that sees its end sees the stats after it
+        stream.put(delta)

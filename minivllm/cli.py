@@ -54,13 +54,9 @@ def add_node_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-port", type=int, default=0,
                    help="the rendezvous' port, 0 = any free one, printed for the other machines (default: %(default)s)")
 
-def make_parser() -> argparse.ArgumentParser:
-    "The `minivllm` command line's parser."
-    parser = OneLineErrorParser(prog="minivllm", description="A small, readable LLM inference engine.")
-    parser.add_argument("--version", action="version", version=f"minivllm {__version__}",
-                        help="print minivllm's version and exit")
-    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND",
-                                help="minivllm COMMAND --help describes each")
+# %% ../nbs/15_cli.ipynb #efc3b065
+def _add_generate(sub) -> None:
+    "`minivllm generate`'s options."
     g = sub.add_parser("generate", help="complete prompts and print the completions",
                        description="Complete each prompt and print it with its completion.", epilog=_SAMPLING_NOTE)
     g.add_argument("prompts", nargs="+", help="one or more prompts, each one argument (quote prompts with spaces)")
@@ -92,6 +88,9 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true",
                    help="no progress bar and no engine notices on stderr (default: off)")
     add_node_options(g)
+
+def _add_serve(sub) -> None:
+    "`minivllm serve`'s options."
     s = sub.add_parser("serve", help="serve a model over OpenAI's API (completions, chat, streaming)",
                        description="Serve a model over OpenAI's API until Ctrl-C or SIGTERM: POST /v1/completions, "
                                    "POST /v1/chat/completions, GET /v1/models, /health and /metrics (notebook 13b).")
@@ -116,6 +115,10 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level; info logs every request (default: %(default)s)")
     add_node_options(s)
+
+# %% ../nbs/15_cli.ipynb #99ad16bf
+def _add_worker(sub) -> None:
+    "`minivllm worker`'s options."
     w = sub.add_parser("worker", help="serve an engine's ranks on this machine (several machines: notebook 10a)",
                        description="Start this machine's ranks of an engine started elsewhere with --nnodes, and "
                                    "serve them until that engine closes. Needs the engine's cluster secret in the "
@@ -130,6 +133,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="this machine's copy of the checkpoint folder (default: the engine's path)")
     w.add_argument("--timeout", type=float, default=300.0,
                    help="seconds to wait for the engine to answer (default: %(default)s)")
+
+def _add_bench(sub) -> None:
+    "`minivllm bench`'s options, and its other benchmarks as sub-commands."
     b = sub.add_parser("bench", help="benchmarks: throughput against transformers (and bench serve, bench allreduce)",
                        description="minivllm against transformers on one seeded workload (notebook 14). Other "
                                    "benchmarks: minivllm bench serve, a server under load (notebook 14a), and "
@@ -148,6 +154,16 @@ def make_parser() -> argparse.ArgumentParser:
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         add(o)
         o.set_defaults(run=run)
+
+def make_parser() -> argparse.ArgumentParser:
+    "The `minivllm` command line's parser."
+    parser = OneLineErrorParser(prog="minivllm", description="A small, readable LLM inference engine.")
+    parser.add_argument("--version", action="version", version=f"minivllm {__version__}",
+                        help="print minivllm's version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND",
+                                help="minivllm COMMAND --help describes each")
+    for add in (_add_generate, _add_serve, _add_worker, _add_bench):
+        add(sub)
     return parser
 
 # %% ../nbs/15_cli.ipynb #44423495

@@ -31,13 +31,14 @@ from .async_llm import AsyncLLM
 from .distributed import listen_socket
 from .engine.scheduler import SamplingParams
 from .llm import LLM, CompletionOutput, RequestOutput, _load_tokenizer, logger
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['MAX_REQUEST_BYTES', 'MAX_N', 'MAX_LOGPROBS', 'MAX_COMPLETION_LOGPROBS', 'StreamOptions', 'SamplingFields',
            'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'error_response', 'validation_message',
            'is_json_content_type', 'http_error_message', 'check_max_request_bytes', 'BodyLimit', 'longest_token_chars',
            'PromptEncoder', 'usage', 'LogprobFormat', 'sse', 'OpenAIReply', 'EngineCollector', 'ServerMetrics',
-           'RequestTimer', 'generate_all', 'build_app', 'bind_socket', 'serve']
+           'RequestTimer', 'generate_all', 'OpenAIServer', 'build_app', 'bind_socket', 'serve']
 
 # %% ../nbs/13b_server.ipynb #ebfbba7b
 class StreamOptions(BaseModel):
@@ -443,24 +444,143 @@ async def generate_all(engine: AsyncLLM, prompts: list, params: SamplingParams, 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 # %% ../nbs/13b_server.ipynb #29816288
+class OpenAIServer:
+    "The state behind the routes: the engine, the model's name, the server's tokenizer and encoder, metrics, limits."
+    def __init__(self, engine: AsyncLLM, model_name: str, tokenizer=None):
+        # tokenizer: the server's own copy (default: loaded from the engine's checkpoint); the engine's is its thread's
+        self.engine, self.model_name = engine, model_name
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(Path(engine.llm.args.model))
+        self.max_model_len = engine.llm.args.max_model_len
+        self.max_n = min(MAX_N, engine.llm.args.max_num_seqs)
+        self.metrics, self.logprob_format = ServerMetrics(engine), LogprobFormat(self.tokenizer)
+        self.encoder = PromptEncoder(self.tokenizer, self.max_model_len, model_name)
+
+    def check(self, body: SamplingFields) -> JSONResponse | None:
+        "The error response for a body the engine must not see (unknown model, stopped engine, n past its bound), else None."
+        if body.model != self.model_name:
+            return error_response(400, f"the model {body.model!r} is not served here: this server serves "
+                                  f"{self.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
+        if not self.engine.is_running:
+            return error_response(503, f"the engine has stopped ({self.engine.error}): restart the server",
+                                  "server_error")
+        if body.n > self.max_n:
+            return error_response(400, f"n must be at most {self.max_n} here (at most {MAX_N} completions per prompt, "
+                                  f"and no more than the engine's max_num_seqs = {self.engine.llm.args.max_num_seqs}), "
+                                  f"got {body.n}: lower n, or send the prompt several times", param="n")
+        return None
+
+# %% ../nbs/13b_server.ipynb #f2cff7e0
+@patch
+async def respond(self: OpenAIServer, body: SamplingFields, prompts: list[list[int]], params: SamplingParams, chat: bool,
+                  texts: list[str | None], timer: RequestTimer):
+    "Run the request and answer it whole or as a stream of server-sent events."
+    reply = OpenAIReply(self.model_name, chat, params, len(prompts), self.logprob_format)
+    stream = generate_all(self.engine, prompts, params, reply.id, texts)
+    try:  # the first delta comes only once the engine has accepted the prompts: errors are still a 400
+        first = await anext(stream)
+        deltas = [first] + [x async for x in stream] if not body.stream else None
+    except (ValueError, TypeError) as e:
+        await stream.aclose()
+        return error_response(400, str(e))
+    except RuntimeError as e:  # the engine has stopped
+        await stream.aclose()
+        return error_response(503, str(e), "server_error")
+    if deltas is not None:
+        for _, delta in deltas: timer.saw(delta)
+        answer = reply.whole(deltas)
+        timer.done(reply.finish_reasons)
+        return JSONResponse(answer)
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    async def events() -> AsyncIterator[str]:
+        if chat:
+            yield reply.role_chunk()
+        try:
+            async with contextlib.aclosing(stream):
+                timer.saw(first[1])
+                yield reply.chunk(*first)
+                async for i, delta in stream:
+                    timer.saw(delta)
+                    yield reply.chunk(i, delta)
+            timer.done(reply.finish_reasons)
+            if include_usage:
+                yield reply.usage_chunk()
+        except Exception as e:  # the engine stopped mid-stream: say so in the stream, then end it
+            yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+# %% ../nbs/13b_server.ipynb #1c7b0482
+@patch
+async def completions(self: OpenAIServer, body: CompletionRequest):
+    if (error := self.check(body)) is not None:
+        return error
+    p = body.prompt
+    prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+    if not prompts:
+        return error_response(400, "prompt is empty: give a string, a list of token ids, or a list of those",
+                              param="prompt")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
+        return error_response(400, f"logprobs must be from 0 to {MAX_COMPLETION_LOGPROBS} for completions, got "
+                              f"{body.logprobs}", param="logprobs")
+    if body.echo:
+        return error_response(400, "echo is not supported: join the prompt and the completion yourself", param="echo")
+    timer = RequestTimer(self.metrics)
+    try:
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+    except ValueError as e:
+        return error_response(400, str(e))
+    try:
+        token_ids = await self.encoder.encode(prompts)
+    except ValueError as e:
+        return error_response(400, str(e), param="prompt")
+    texts = [p if isinstance(p, str) else None for p in prompts]
+    return await self.respond(body, token_ids, params, False, texts, timer)
+
+@patch
+async def chat_completions(self: OpenAIServer, body: ChatCompletionRequest):
+    if (error := self.check(body)) is not None:
+        return error
+    if not body.messages:
+        return error_response(400, "messages is empty: give at least one message", param="messages")
+    messages = []
+    for m in body.messages:
+        content = m.content or ""
+        if isinstance(content, list):
+            if any(part.get("type") != "text" for part in content):
+                return error_response(400, "only text content parts are supported", param="messages")
+            content = "".join(part.get("text", "") for part in content)
+        messages.append({"role": m.role, "content": content})
+    k = body.top_logprobs if body.top_logprobs is not None else 0
+    if body.top_logprobs is not None and not body.logprobs:
+        return error_response(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    if not 0 <= k <= MAX_LOGPROBS:
+        return error_response(400, f"top_logprobs must be from 0 to {MAX_LOGPROBS}, got {k}", param="top_logprobs")
+    timer = RequestTimer(self.metrics)
+    try:
+        params = body.sampling_params(body.max_completion_tokens or body.max_tokens, k if body.logprobs else None)
+    except ValueError as e:
+        return error_response(400, str(e))
+    try:
+        text, token_ids = await self.encoder.encode_chat(messages)
+    except ValueError as e:
+        return error_response(400, str(e), param="messages")
+    return await self.respond(body, [token_ids], params, True, [text], timer)
+
+# %% ../nbs/13b_server.ipynb #c25037ea
 def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tokenizer=None,
               max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     "The OpenAI-compatible app over `engine`, serving it as `model_name`; with `api_key`, /v1 needs `Authorization: Bearer KEY`."
-    # tokenizer: the server's own copy (default: loaded from the engine's checkpoint); the engine's is its thread's
     check_max_request_bytes(max_request_bytes)
-    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(Path(engine.llm.args.model))
-    max_model_len = engine.llm.args.max_model_len
-    max_n = min(MAX_N, engine.llm.args.max_num_seqs)
-    metrics, logprob_format = ServerMetrics(engine), LogprobFormat(tokenizer)
-    encoder = PromptEncoder(tokenizer, max_model_len, model_name)
+    server = OpenAIServer(engine, model_name, tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        encoder.close()
+        server.encoder.close()
 
     app = FastAPI(title="minivllm", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.state.engine, app.state.metrics, app.state.encoder = engine, metrics, encoder
+    app.state.engine, app.state.metrics, app.state.encoder = engine, server.metrics, server.encoder
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: HTTPRequest, exc: RequestValidationError):
@@ -491,119 +611,13 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tok
                                       "authentication_error", code="invalid_api_key")
         return await call_next(request)
 
-    def check(body: SamplingFields) -> JSONResponse | None:
-        "The error response for a body the engine must not see (unknown model, stopped engine, n past its bound), else None."
-        if body.model != model_name:
-            return error_response(400, f"the model {body.model!r} is not served here: this server serves "
-                                  f"{model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
-        if not engine.is_running:
-            return error_response(503, f"the engine has stopped ({engine.error}): restart the server",
-                                  "server_error")
-        if body.n > max_n:
-            return error_response(400, f"n must be at most {max_n} here (at most {MAX_N} completions per prompt, and no "
-                                  f"more than the engine's max_num_seqs = {engine.llm.args.max_num_seqs}), got {body.n}: "
-                                  "lower n, or send the prompt several times", param="n")
-        return None
-
-    async def respond(body: SamplingFields, prompts: list[list[int]], params: SamplingParams, chat: bool,
-                      texts: list[str | None], timer: RequestTimer):
-        "Run the request and answer it whole or as a stream of server-sent events."
-        reply = OpenAIReply(model_name, chat, params, len(prompts), logprob_format)
-        stream = generate_all(engine, prompts, params, reply.id, texts)
-        try:  # the first delta comes only once the engine has accepted the prompts: errors are still a 400
-            first = await anext(stream)
-            deltas = [first] + [x async for x in stream] if not body.stream else None
-        except (ValueError, TypeError) as e:
-            await stream.aclose()
-            return error_response(400, str(e))
-        except RuntimeError as e:  # the engine has stopped
-            await stream.aclose()
-            return error_response(503, str(e), "server_error")
-        if deltas is not None:
-            for _, delta in deltas: timer.saw(delta)
-            answer = reply.whole(deltas)
-            timer.done(reply.finish_reasons)
-            return JSONResponse(answer)
-
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        async def events() -> AsyncIterator[str]:
-            if chat:
-                yield reply.role_chunk()
-            try:
-                async with contextlib.aclosing(stream):
-                    timer.saw(first[1])
-                    yield reply.chunk(*first)
-                    async for i, delta in stream:
-                        timer.saw(delta)
-                        yield reply.chunk(i, delta)
-                timer.done(reply.finish_reasons)
-                if include_usage:
-                    yield reply.usage_chunk()
-            except Exception as e:  # the engine stopped mid-stream: say so in the stream, then end it
-                yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        if (error := check(body)) is not None:
-            return error
-        p = body.prompt
-        prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
-        if not prompts:
-            return error_response(400, "prompt is empty: give a string, a list of token ids, or a list of those",
-                                  param="prompt")
-        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
-            return error_response(400, f"logprobs must be from 0 to {MAX_COMPLETION_LOGPROBS} for completions, got "
-                                  f"{body.logprobs}", param="logprobs")
-        if body.echo:
-            return error_response(400, "echo is not supported: join the prompt and the completion yourself", param="echo")
-        timer = RequestTimer(metrics)
-        try:
-            params = body.sampling_params(body.max_tokens, body.logprobs)
-        except ValueError as e:
-            return error_response(400, str(e))
-        try:
-            token_ids = await encoder.encode(prompts)
-        except ValueError as e:
-            return error_response(400, str(e), param="prompt")
-        texts = [p if isinstance(p, str) else None for p in prompts]
-        return await respond(body, token_ids, params, False, texts, timer)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
-        if (error := check(body)) is not None:
-            return error
-        if not body.messages:
-            return error_response(400, "messages is empty: give at least one message", param="messages")
-        messages = []
-        for m in body.messages:
-            content = m.content or ""
-            if isinstance(content, list):
-                if any(part.get("type") != "text" for part in content):
-                    return error_response(400, "only text content parts are supported", param="messages")
-                content = "".join(part.get("text", "") for part in content)
-            messages.append({"role": m.role, "content": content})
-        k = body.top_logprobs if body.top_logprobs is not None else 0
-        if body.top_logprobs is not None and not body.logprobs:
-            return error_response(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if not 0 <= k <= MAX_LOGPROBS:
-            return error_response(400, f"top_logprobs must be from 0 to {MAX_LOGPROBS}, got {k}", param="top_logprobs")
-        timer = RequestTimer(metrics)
-        try:
-            params = body.sampling_params(body.max_completion_tokens or body.max_tokens, k if body.logprobs else None)
-        except ValueError as e:
-            return error_response(400, str(e))
-        try:
-            text, token_ids = await encoder.encode_chat(messages)
-        except ValueError as e:
-            return error_response(400, str(e), param="messages")
-        return await respond(body, [token_ids], params, True, [text], timer)
+    app.post("/v1/completions")(server.completions)
+    app.post("/v1/chat/completions")(server.chat_completions)
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "minivllm", "max_model_len": max_model_len}]}
+                                            "owned_by": "minivllm", "max_model_len": server.max_model_len}]}
 
     @app.get("/health")
     async def health():
@@ -613,7 +627,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tok
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # subtle: added last, so outermost: a body past the limit is refused before any other middleware reads it
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)

@@ -188,6 +188,7 @@ def _executable(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text}: no such executable; give the python of an environment with vLLM")
     return text
 
+# %% ../../nbs/14_benchmark.ipynb #49f111f4
 def add_arguments(p: argparse.ArgumentParser) -> None:
     "The options of `minivllm bench` (the command line, notebook 15, owns the parser)."
     p.add_argument("--model", default=None, help="checkpoint folder (default: the packaged model)")

@@ -141,6 +141,7 @@ def allocate(self: BlockManager, token_ids: Sequence[int]) -> tuple[list[int], i
     self.prefix_cache_hit_blocks += len(hits)
     return table, len(hits) * self.block_size
 
+# %% ../../nbs/08_block_manager.ipynb #cb94c514
 @patch
 def _hold(self: BlockManager, block_id: int) -> None:
     "One more reference to a block that keeps its contents (a prefix-cache hit)."
