@@ -93,7 +93,7 @@ def _add_serve(sub) -> None:
     "`minivllm serve`'s options."
     s = sub.add_parser("serve", help="serve a model over OpenAI's API (completions, chat, streaming)",
                        description="Serve a model over OpenAI's API until Ctrl-C or SIGTERM: POST /v1/completions, "
-                                   "POST /v1/chat/completions, GET /v1/models, /health and /metrics (notebook 13b).")
+                                   "POST /v1/chat/completions, GET /v1/models, /health and /metrics (notebook 13c).")
     s.add_argument("--model", default=None,
                    help="a Hugging Face checkpoint folder or hub id (default: the packaged model)")
     s.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (default: %(default)s)")
