@@ -208,28 +208,25 @@ class Request:
                              self.seqs[0].num_cached_tokens, time.perf_counter())
 
 # %% ../nbs/13_llm.ipynb #2c587a97
-_told_eager = []  # the CPU runs eagerly: say so once per process, not once per engine
-
 class LLM:
     "An inference engine for one Hugging Face checkpoint, split over `tensor_parallel_size` ranks."
     def __init__(self, model: str | Path | None = None, tensor_parallel_size: int = 1, dtype: str | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 kvcache_block_size: int = 16, enforce_eager: bool = False, seed: int = 0, **engine_kwargs):
+                 kvcache_block_size: int = 16, enforce_eager: bool = False, seed: int = 0, skip_tokenizer_init: bool = False,
+                 **engine_kwargs):
         model = model_folder(model)  # a folder, a hub id, or the packaged model (notebook 00)
         args = EngineArgs(model, tensor_parallel_size, dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
                           kvcache_block_size, enforce_eager, seed, **engine_kwargs)
         self.config = args.model_config()  # checks the checkpoint and the TP size before any process starts
         self.args = args = args.resolved(self.config)
-        self.tokenizer = _load_tokenizer(model)
+        # skip_tokenizer_init: prompts and outputs are token ids only (the engine-core process's way, notebook 13a)
+        self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(model)
         self._requests: dict[int, tuple[Request, int]] = {}  # live sequence id -> (its request, its index there)
         self.ranks = Ranks(args)  # every rank's process, started and stopped in one place (notebook 11a)
         self._finalizer = weakref.finalize(self, self.ranks.close)  # subtle: holds the ranks, not the LLM
         self.args = args = self.ranks.start()  # on failure, what had started is stopped
         self.scheduler = Scheduler(BlockManager(self.runner.num_blocks, args.kvcache_block_size), args.max_num_seqs,
                                    args.max_num_batched_tokens, args.max_model_len, self.config.eos_token_ids)
-        if args.device == "cpu" and not enforce_eager and not _told_eager:
-            _told_eager.append(True)
-            logger.info("running eagerly on the CPU (CUDA graphs need a GPU)")
 
     @property
     def runner(self) -> ModelRunner:
@@ -303,10 +300,10 @@ def add_request(self: LLM, prompt: str | list[int], sampling_params: SamplingPar
     return request
 
 @patch
-def abort_request(self: LLM, request: Request) -> None:
-    "Stop a request now, wherever it is: its sequences finish with reason 'abort' and their blocks are free."
-    for seq in request.seqs:
-        self.scheduler.abort(seq)
+def abort_request(self: LLM, request: Request, index: int | None = None, reason: str = "abort") -> None:
+    "Stop a request now, wherever it is (or only its completion `index`): its sequences finish with `reason`, their blocks free."
+    for seq in request.seqs if index is None else request.seqs[index:index + 1]:
+        self.scheduler.abort(seq, reason)
         self._requests.pop(seq.seq_id, None)
 
 # %% ../nbs/13_llm.ipynb #f6add91c
@@ -340,15 +337,15 @@ def step(self: LLM) -> tuple[list[Sequence], dict]:
     return finished, stats
 
 # %% ../nbs/13_llm.ipynb #859dbf4e
-def _as_prompt_list(prompts) -> tuple[list, bool]:
-    "`(list of prompts, whether a single prompt was given)`: a string, a flat list of ids, a 1-D array or tensor is one."
+def _as_prompt_list(prompts) -> list:
+    "The prompts as a list: a string, a flat list of ids, a 1-D array or tensor is one prompt."
     flat = isinstance(prompts, Seq) and prompts and not any(isinstance(t, str) or hasattr(t, "__len__") for t in prompts)
     if isinstance(prompts, str) or (hasattr(prompts, "ndim") and prompts.ndim == 1) or flat:
-        return [prompts], True
+        return [prompts]
     prompts = list(prompts)
     if not prompts:
         raise ValueError("no prompts given")
-    return prompts, False
+    return prompts
 
 @patch
 def _add_requests(self: LLM, prompts: list, sampling_params, stream: bool) -> list[Request]:
@@ -371,9 +368,9 @@ def _add_requests(self: LLM, prompts: list, sampling_params, stream: bool) -> li
 
 @patch
 def generate(self: LLM, prompts, sampling_params: SamplingParams | Iterable[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput] | RequestOutput:
-    "Complete every prompt (strings or token-id lists); outputs in prompt order (one output for one prompt)."
-    prompts, single = _as_prompt_list(prompts)
+             use_tqdm: bool = True) -> list[RequestOutput]:
+    "Complete every prompt (strings or token-id lists); a list of outputs in prompt order (of one for one prompt, as vLLM's)."
+    prompts = _as_prompt_list(prompts)
     requests = self._add_requests(prompts, sampling_params, stream=False)
     bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
     spent = {True: [0, 0.0], False: [0, 0.0]}  # prefill / decode: tokens, seconds
@@ -393,14 +390,13 @@ def generate(self: LLM, prompts, sampling_params: SamplingParams | Iterable[Samp
         raise
     finally:
         bar.close()
-    outputs = [r.output() for r in requests]
-    return outputs[0] if single else outputs
+    return [r.output() for r in requests]
 
 @patch
 def stream(self: LLM, prompts, sampling_params: SamplingParams | Iterable[SamplingParams] | None = None
            ) -> Iterator[RequestOutput]:
     "Complete prompts as `generate` does, yielding what is new for each request after every step (`request_id`: its index)."
-    prompts, _ = _as_prompt_list(prompts)
+    prompts = _as_prompt_list(prompts)
     requests = self._add_requests(prompts, sampling_params, stream=True)
     try:
         while not all(r.is_finished for r in requests):
@@ -416,14 +412,14 @@ def stream(self: LLM, prompts, sampling_params: SamplingParams | Iterable[Sampli
 def apply_chat_template(self: LLM, messages: list[dict], add_generation_prompt: bool = True) -> str:
     "The prompt text for a conversation `[{'role': ..., 'content': ...}, ...]`, by the tokenizer's chat template."
     if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-        raise ValueError(f"{self.args.model} has no chat template: use generate() with plain prompts")
+        raise ValueError(f"{self.args.model} has no chat template: use generate() with prompts in the form the model "
+                         "was trained on")
     return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 @patch
 def chat(self: LLM, conversations: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-         use_tqdm: bool = True) -> RequestOutput | list[RequestOutput]:
-    "Reply to one conversation (a list of messages) or to each of a list of them."
+         use_tqdm: bool = True) -> list[RequestOutput]:
+    "Reply to one conversation (a list of messages) or to each of a list of them; a list of outputs either way, as vLLM's."
     single = bool(conversations) and isinstance(conversations[0], dict)
     prompts = [self.apply_chat_template(c) for c in ([conversations] if single else conversations)]
-    outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-    return outputs[0] if single else outputs
+    return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

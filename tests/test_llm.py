@@ -118,7 +118,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(tiny, prompt, par
         assert list(llm.scheduler.waiting) == good.seqs  # the good request of the failed call was not left queued
         while not good.is_finished: llm.step()
         assert len(good.output().token_ids) == MAX_TOKENS
-        assert len(llm.generate([4, 5], GREEDY, use_tqdm=False).token_ids) == MAX_TOKENS
+        assert len(llm.generate([4, 5], GREEDY, use_tqdm=False)[0].token_ids) == MAX_TOKENS
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -239,7 +239,7 @@ RANK0_SCRIPT = textwrap.dedent("""
         llm.step = step_and_tell
         llm.generate([[1, 2, 3]] * 8, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True), use_tqdm=False)
     else:  # exit without close(): the interpreter's exit shuts the engine down
-        print(llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False).token_ids, flush=True)
+        print(llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].token_ids, flush=True)
 """)
 
 
@@ -362,7 +362,7 @@ def test_after_a_failed_start_engines_of_every_size_work(tiny, tmp_path, kind):
     assert open_fds() <= before, "a failed start leaked file descriptors"
     for tp in (1, 2):
         with LLM(tiny, tensor_parallel_size=tp, max_model_len=64) as llm:
-            assert len(llm.generate([1, 2, 3], GREEDY, use_tqdm=False).token_ids) == MAX_TOKENS
+            assert len(llm.generate([1, 2, 3], GREEDY, use_tqdm=False)[0].token_ids) == MAX_TOKENS
 
 
 def test_engines_of_different_sizes_take_turns_in_one_process(tiny):
@@ -388,10 +388,10 @@ def test_the_engine_listens_on_loopback_only(tiny):
 def test_numpy_token_ids_are_checked_like_python_ints(tiny):
     import numpy as np
     with LLM(tiny, tensor_parallel_size=2, max_model_len=64) as llm:
-        reference = llm.generate([1, 2, 3], GREEDY, use_tqdm=False).token_ids
-        assert llm.generate(np.array([1, 2, 3]), GREEDY, use_tqdm=False).token_ids == reference
+        reference = llm.generate([1, 2, 3], GREEDY, use_tqdm=False)[0].token_ids
+        assert llm.generate(np.array([1, 2, 3]), GREEDY, use_tqdm=False)[0].token_ids == reference
         assert llm.generate([np.array([1, 2, 3], dtype=np.int32)], GREEDY, use_tqdm=False)[0].token_ids == reference
-        assert llm.generate([np.int64(1), np.int16(2), 3], GREEDY, use_tqdm=False).token_ids == reference
+        assert llm.generate([np.int64(1), np.int16(2), 3], GREEDY, use_tqdm=False)[0].token_ids == reference
         for bad, message in ((np.array([1, 5000]), "out of range for a vocabulary of"),
                              ([np.int64(1), np.int64(300)], "out of range for a vocabulary of"),
                              (np.array([[1, -2]]), "token id -2 is out of range for a vocabulary of"),
@@ -399,7 +399,7 @@ def test_numpy_token_ids_are_checked_like_python_ints(tiny):
             with pytest.raises(ValueError, match=message):
                 llm.generate(bad, GREEDY, use_tqdm=False)
         assert llm.scheduler.is_finished()
-        assert llm.generate([1, 2, 3], GREEDY, use_tqdm=False).token_ids == reference  # still serving
+        assert llm.generate([1, 2, 3], GREEDY, use_tqdm=False)[0].token_ids == reference  # still serving
 
 
 def test_a_stopped_worker_is_named_within_seconds(tiny):

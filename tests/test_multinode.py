@@ -289,7 +289,7 @@ def test_serving_from_two_hosts():
     from minivllm.testing import ServerProcess
     params = SamplingParams(temperature=0.0, max_tokens=16)
     with LLM(dtype="float32") as llm:
-        expected = llm.generate("ROMEO:", params, use_tqdm=False).text
+        expected = llm.generate("ROMEO:", params, use_tqdm=False)[0].text
     port = free_port()
     with WorkerNode("127.0.0.1", port) as node:
         with ServerProcess("--tp", "2", "--nnodes", "2", "--master-port", str(port), "--dtype", "float32") as server:

@@ -73,16 +73,16 @@ def test_n_samples_share_the_prompt_blocks_and_are_reproducible(tiny, tp):
     params = SamplingParams(temperature=1.0, n=4, seed=3, max_tokens=10, ignore_eos=True)
     with LLM(tiny, tensor_parallel_size=tp, max_model_len=128, kvcache_block_size=16) as llm:
         hits = llm.scheduler.block_manager.prefix_cache_hit_tokens
-        out = llm.generate(prompt, params, use_tqdm=False)
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
         assert llm.scheduler.block_manager.prefix_cache_hit_tokens - hits == 3 * 32  # the 3 later samples hit both
         assert [c.index for c in out.outputs] == [0, 1, 2, 3] and len({tuple(c.token_ids) for c in out.outputs}) == 4
         single = llm.generate(prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True),
-                              use_tqdm=False)
-        again = llm.generate(prompt, params, use_tqdm=False)
+                              use_tqdm=False)[0]
+        again = llm.generate(prompt, params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == single.token_ids
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
     with LLM(tiny, max_model_len=128, kvcache_block_size=16) as tp1:
-        assert [c.token_ids for c in tp1.generate(prompt, params, use_tqdm=False).outputs] == \
+        assert [c.token_ids for c in tp1.generate(prompt, params, use_tqdm=False)[0].outputs] == \
                [c.token_ids for c in out.outputs]
 
 

@@ -56,7 +56,7 @@ def test_the_openai_client_gets_completions_and_chats_streamed_and_whole(tp2, ch
                                                  stream=True))
     assert streamed == chat.choices[0].message.content and chat.choices[0].message.role == "assistant"
     with LLM(chat_ckpt, max_model_len=256) as llm:  # the same reply offline, at TP=1
-        offline = llm.chat(HELLO, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+        offline = llm.chat(HELLO, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     assert chat.choices[0].message.content == offline.text
 
 
