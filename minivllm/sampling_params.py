@@ -22,7 +22,9 @@ class SamplingParams:
     temperature: float = 1.0  # 0: greedy (always the most likely token)
     top_k: int = -1  # -1: off; k >= 1: sample among the k most likely tokens
     top_p: float = 1.0  # 1: off; p < 1: sample among the fewest most likely tokens whose probability reaches p
-    max_tokens: int | None = 64  # the most tokens to generate (None: until the sequence reaches max_model_len)
+    min_p: float = 0.0  # 0: off; drop tokens less likely than min_p times the most likely one (after temperature)
+    max_tokens: int | None = 16  # the most tokens to generate (None: until the sequence reaches max_model_len)
+    min_tokens: int = 0  # EOS and the stop tokens cannot be sampled (nor end the request) before this many tokens
     ignore_eos: bool = False  # keep generating after the model's end-of-sequence token (benchmarks do)
     seed: int | None = None  # makes this request's sampling reproducible, whatever it is batched with
     stop_token_ids: tuple[int, ...] = ()  # more tokens that end the request (kept as its last token, like EOS)
@@ -30,6 +32,7 @@ class SamplingParams:
     n: int = 1  # how many completions of the prompt to sample (they share the prompt's KV blocks)
     presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far (-2 to 2, OpenAI's)
     frequency_penalty: float = 0.0  # subtracted from a token's logit once per time it was generated (-2 to 2)
+    repetition_penalty: float = 1.0  # 1: off; a logit of a token in the prompt or output: divided if > 0, else multiplied
     logprobs: int | None = None  # k: each generated token's log-probability, and the k most likely (0 to 20)
 
     def __post_init__(self):
@@ -41,8 +44,16 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
         if not is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
+        p = self.min_p
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 <= p <= 1:
+            raise ValueError(f"min_p must be a number from 0 to 1 (0 = off), got {p!r}")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r} (or None: up to max_model_len)")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0 (0 = off), got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be from 0 to max_tokens ({self.max_tokens}), got {self.min_tokens}: "
+                             "lower min_tokens or raise max_tokens")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.seed is not None and not is_int(self.seed):
@@ -62,6 +73,10 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not -2 <= v <= 2:
                 raise ValueError(f"{name} must be a number from -2 to 2 (0 = off), got {v!r}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(r) or r <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off, above 1 discourages "
+                             f"repeats), got {r!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be None or an integer from 0 to 20 (the most likely tokens to show), "
                              f"got {self.logprobs!r}")
@@ -69,4 +84,7 @@ class SamplingParams:
     @property
     def needs_logits(self) -> bool:
         "Whether sampling needs the whole logits row even when greedy: penalties change it, logprobs report it."
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.logprobs is not None
+        # subtle: min_p never removes the most likely token, so it leaves greedy alone; min_tokens changes greedy only
+        # while the request is short of it, which the step decides (notebook 11's StepInputs.from_batch)
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or self.logprobs is not None)

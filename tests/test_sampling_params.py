@@ -7,7 +7,10 @@ from minivllm.sampling_params import SamplingParams
 def test_sampling_params_defaults():
     p = SamplingParams()
     assert (p.temperature, p.top_k, p.top_p, p.max_tokens, p.ignore_eos, p.seed, p.stop_token_ids) == \
-           (1.0, -1, 1.0, 64, False, None, ())
+           (1.0, -1, 1.0, 16, False, None, ())  # vLLM's defaults, max_tokens=16 included
+    assert (p.min_p, p.min_tokens, p.repetition_penalty, p.needs_logits) == (0.0, 0, 1.0, False)  # all three off
+    assert SamplingParams(min_tokens=16).min_tokens == 16 and SamplingParams(min_tokens=99, max_tokens=None).min_tokens == 99
+    assert SamplingParams(min_p=1, repetition_penalty=0.5).repetition_penalty == 0.5
     assert SamplingParams(temperature=0, top_k=1, stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
     assert SamplingParams(stop_token_ids=(t for t in [5, 6])).stop_token_ids == (5, 6)
 
@@ -23,6 +26,17 @@ def test_sampling_params_defaults():
     (dict(top_k=1.5), "top_k must be -1"),
     (dict(max_tokens=0), "max_tokens must be an integer >= 1, got 0"),
     (dict(max_tokens=2.0), "max_tokens must be an integer >= 1"),
+    (dict(min_p=-0.1), r"min_p must be a number from 0 to 1 \(0 = off\), got -0.1"),
+    (dict(min_p=1.01), r"min_p must be a number from 0 to 1 \(0 = off\), got 1.01"),
+    (dict(min_p="0.1"), "min_p must be a number from 0 to 1"),
+    (dict(repetition_penalty=0), r"repetition_penalty must be a finite number > 0 \(1 = off, above 1 discourages repeats\), got 0"),
+    (dict(repetition_penalty=-1.2), "repetition_penalty must be a finite number > 0"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number > 0"),
+    (dict(repetition_penalty=True), "repetition_penalty must be a finite number > 0"),
+    (dict(min_tokens=-1), r"min_tokens must be an integer >= 0 \(0 = off\), got -1"),
+    (dict(min_tokens=1.5), "min_tokens must be an integer >= 0"),
+    (dict(min_tokens=17), r"min_tokens must be from 0 to max_tokens \(16\), got 17: lower min_tokens or raise max_tokens"),
+    (dict(min_tokens=5, max_tokens=4), r"min_tokens must be from 0 to max_tokens \(4\), got 5"),
     (dict(ignore_eos=1), "ignore_eos must be True or False"),
     (dict(seed=1.5), "seed must be an integer or None"),
     (dict(stop_token_ids=[1, -1]), "the stop_token_ids must hold token ids"),
