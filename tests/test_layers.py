@@ -10,15 +10,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper,
+                                                   TopPLogitsWarper)
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from minivllm.config import Config
 from minivllm.cpu_kernels import use_cpu_kernels
 from minivllm.testing import hf_rope, hf_rotate
-from minivllm.layers.common import (GREEDY_TEMPERATURE, RMSNorm, RotaryEmbedding, Sampler, SiluAndMul,
-                                    apply_top_k_top_p, check_sampling_inputs, exponential_noise, get_rope,
-                                    rope_inv_freq, row_seed)
+from minivllm.layers.common import (GREEDY_TEMPERATURE, RMSNorm, RotaryEmbedding, Sampler, SiluAndMul, apply_min_p,
+                                    apply_penalties, apply_top_k_top_p, check_sampling_inputs, exponential_noise,
+                                    get_rope, mask_tokens, rope_inv_freq, row_seed)
 
 transformers.logging.set_verbosity_error()
 
@@ -285,6 +286,65 @@ def test_top_k_top_p_match_hf_warpers():
         torch.testing.assert_close(ours[i][ours[i].isfinite()], logits[i][ours[i].isfinite()], **EXACT)
 
 
+def test_min_p_matches_hf_warper():
+    B, V = 32, 200
+    logits = torch.randn(B, V, generator=gen(1)) * 3
+    min_ps = torch.rand(B, generator=gen(2))
+    min_ps[::4] = 0.0
+    min_ps[1] = 1.0
+    ours = apply_min_p(logits, min_ps)
+    for i in range(B):
+        ref = MinPLogitsWarper(float(min_ps[i]))(None, logits[i:i + 1].clone())[0] if min_ps[i] > 0 else logits[i]
+        torch.testing.assert_close(ours[i], ref, **EXACT)
+    assert ours[1].isfinite().sum() == 1 and ours[0].isfinite().all()
+    assert apply_min_p(logits, torch.zeros(B)) is logits  # off: no softmax at all
+
+
+def test_sampling_follows_min_p_after_temperature():
+    "Frequencies match softmax(logits / t) with the tokens below min_p x the top probability removed, renormalised."
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0])
+    N = 40_000
+    for t, min_p, k in ((1.0, 0.2, 0), (0.5, 0.2, 0), (2.0, 0.3, 0), (1.0, 0.1, 2)):
+        q = (logits / t).softmax(-1)
+        q = torch.where((q >= min_p * q.max()) & (torch.arange(6) < (k or 6)), q, 0)
+        q = q / q.sum()
+        tokens = sample(logits.expand(N, -1), t, k, generator=gen(1), min_ps=[min_p] * N)
+        assert chi_square_ok(tokens, q), (t, min_p, k)
+        assert set(tokens.unique().tolist()) == set(q.nonzero().flatten().tolist())
+
+
+def test_repetition_penalty_matches_hf_processor():
+    B, V = 6, 50
+    logits = torch.randn(B, V, generator=gen(1)) * 2
+    prompts = [[1, 2, 3], [4, 4], [], [7], [0, 49], [5]]
+    outputs = [[3, 9, 9], [], [11, 12], [7, 7], [], [6]]
+    penalties = [1.2, 0.8, 2.0, 1.0, 1.5, 1.1]
+    ours = apply_penalties(logits, outputs, repetition_penalties=penalties, prompt_token_ids=prompts)
+    for i in range(B):
+        ids = torch.tensor([prompts[i] + outputs[i]], dtype=torch.long)
+        ref = RepetitionPenaltyLogitsProcessor(penalties[i])(ids, logits[i:i + 1].clone())[0]
+        torch.testing.assert_close(ours[i], ref, **EXACT)
+
+
+def test_penalties_in_vllms_order():
+    "Repetition first (prompt and output), then frequency and presence (output only), as vLLM applies them."
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    out = apply_penalties(logits, [[0, 0, 1]], [0.5], [0.25], [2.0], [[2]])
+    expected = torch.tensor([[2.0 / 2 - 0.5 - 2 * 0.25, -1.0 * 2 - 0.5 - 0.25, 0.5 / 2, 3.0]])
+    torch.testing.assert_close(out, expected, **EXACT)
+    assert apply_penalties(logits, [[0]], [0.0], [0.0]).equal(logits)
+
+
+def test_mask_tokens():
+    logits = torch.randn(3, 10, generator=gen(1))
+    out = mask_tokens(logits, [[1, 4], [], [9, 10, 1000]])  # ids past the vocabulary can never be sampled anyway
+    assert out[0].isinf().nonzero().flatten().tolist() == [1, 4] and (out[0] < 0).sum() >= 2
+    assert out[1].equal(logits[1]) and out[2].isinf().nonzero().flatten().tolist() == [9]
+    assert logits.isfinite().all() and mask_tokens(logits, [[], [], []]) is logits
+    tokens = sample(out[:1].expand(2000, -1), 1.0, generator=gen(2))
+    assert not torch.isin(tokens, torch.tensor([1, 4])).any() and len(tokens.unique()) == 8  # never, and all others
+
+
 def test_top_k_top_p_off_returns_input():
     logits = torch.randn(3, 10)
     assert apply_top_k_top_p(logits, torch.tensor([0, -1, 10]), torch.ones(3)) is logits
@@ -444,6 +504,8 @@ def test_tensor_settings_and_output():
     (dict(seeds=[1, None]), "seeded sampling needs steps"),
     (dict(seeds=[1, None], steps=[0]), "seeded sampling needs steps"),
     (dict(seeds=[1, None], steps=[0, -1]), "steps must be >= 0"),
+    (dict(min_ps=[0.0, 1.1]), r"min_ps must lie in \[0, 1\] \(0 = off\), got \[0.0, 1.1"),
+    (dict(min_ps=[0.1]), r"min_ps must have shape \(2,\)"),
     (dict(logits=torch.zeros(2, 3, 4)), r"logits must be a float tensor \[batch, vocab\]"),
     (dict(logits=torch.zeros(2, 4, dtype=torch.long)), r"logits must be a float tensor \[batch, vocab\]"),
 ])
@@ -455,8 +517,9 @@ def test_invalid_inputs(kwargs, message):
 
 
 def test_check_sampling_inputs_converts():
-    t, k, p = check_sampling_inputs(torch.zeros(2, 4), (0.5, 0.0), (3, -1), (0.9, 1.0))
-    assert (t.dtype, k.dtype, p.dtype) == (torch.float32, torch.int64, torch.float32)
+    t, k, p, m = check_sampling_inputs(torch.zeros(2, 4), (0.5, 0.0), (3, -1), (0.9, 1.0))
+    assert (t.dtype, k.dtype, p.dtype, m) == (torch.float32, torch.int64, torch.float32, None)
+    assert check_sampling_inputs(torch.zeros(2, 4), (0.5, 0.0), (3, -1), (0.9, 1.0), min_ps=[0, 0.5])[3].dtype == torch.float32
     assert k.tolist() == [3, -1] and math.isclose(t[0].item(), 0.5)
 
 

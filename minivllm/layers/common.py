@@ -18,8 +18,8 @@ from ..config import Config, rope_type
 
 # %% auto #0
 __all__ = ['GREEDY_TEMPERATURE', 'RMSNorm', 'SiluAndMul', 'rope_inv_freq', 'checked_cos_sin', 'RotaryEmbedding', 'get_rope',
-           'apply_top_k_top_p', 'row_seed', 'exponential_noise', 'check_sampling_inputs', 'Sampler', 'apply_penalties',
-           'token_logprobs']
+           'apply_top_k_top_p', 'apply_min_p', 'row_seed', 'exponential_noise', 'check_sampling_inputs', 'Sampler',
+           'apply_penalties', 'mask_tokens', 'token_logprobs']
 
 # %% ../../nbs/05_layers.ipynb #a63fdbfc
 class RMSNorm(nn.Module):
@@ -187,6 +187,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.
     sorted_logits = sorted_logits.masked_fill((mass_before >= top_ps[:, None]) & use_p[:, None], float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
+# %% ../../nbs/05_layers.ipynb #5f0c2d7e
+def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    "`logits` `[B, V]` with tokens less likely than `min_ps[i]` times row i's most likely token set to `-inf`."
+    if not (min_ps > 0).any():
+        return logits
+    probs = logits.softmax(dim=-1)
+    # subtle: the most likely token is never below min_p (<= 1) times itself, so every row keeps a token; rows with
+    # min_p = 0 keep all of theirs, since no probability is below 0
+    return logits.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * min_ps[:, None], float("-inf"))
+
 # %% ../../nbs/05_layers.ipynb #09a4ffcf
 def row_seed(seed: int, step: int) -> int:
     "A 64-bit generator seed for one request's `step`-th token, mixed from its `seed` by a hash."
@@ -211,9 +221,9 @@ def exponential_noise(batch: int, vocab: int, seeds: Sequence[int | None], steps
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy: logits / t would overflow float32
 
 def check_sampling_inputs(logits: torch.Tensor, temperatures, top_ks, top_ps,
-                          seeds: Sequence[int | None] | None = None, steps: Sequence[int] | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    "`(temperatures, top_ks, top_ps)` as float32, int64, float32 tensors on `logits`' device; `ValueError` if invalid."
+                          seeds: Sequence[int | None] | None = None, steps: Sequence[int] | None = None, min_ps=None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    "`(temperatures, top_ks, top_ps, min_ps)` as float32, int64, float32, float32 (or None) tensors on `logits`' device; `ValueError` if invalid."
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a float tensor [batch, vocab], got {logits.dtype} {tuple(logits.shape)}")
     batch, device = logits.shape[0], logits.device
@@ -233,6 +243,10 @@ def check_sampling_inputs(logits: torch.Tensor, temperatures, top_ks, top_ps,
         raise ValueError(f"top_ps must lie in (0, 1] (1 = off), got {top_ps.tolist()}")
     if (top_ks < -1).any():
         raise ValueError(f"top_ks must be positive, or 0 or -1 for off, got {top_ks.tolist()}")
+    if min_ps is not None:
+        min_ps = per_row("min_ps", min_ps, torch.float32)
+        if not ((min_ps >= 0) & (min_ps <= 1)).all():
+            raise ValueError(f"min_ps must lie in [0, 1] (0 = off), got {min_ps.tolist()}")
     if seeds is not None:
         if len(seeds) != batch:
             raise ValueError(f"seeds must have one entry (an int or None) per row: {batch}, got {len(seeds)}")
@@ -241,15 +255,16 @@ def check_sampling_inputs(logits: torch.Tensor, temperatures, top_ks, top_ps,
                              f"has generated so far; got {steps!r}")
         if steps is not None and any(int(s) < 0 for s in steps):
             raise ValueError(f"steps must be >= 0, got {list(steps)}")
-    return temperatures, top_ks.long(), top_ps
+    return temperatures, top_ks.long(), top_ps, min_ps
 
 # %% ../../nbs/05_layers.ipynb #75c035ed
 class Sampler(nn.Module):
-    "Next tokens from logits `[B, V]`: greedy where temperature is 0, else temperature, top-k, top-p, a seeded draw."
+    "Next tokens from logits `[B, V]`: greedy where temperature is 0, else temperature, min-p, top-k, top-p, a seeded draw."
     def forward(self, logits: torch.Tensor, temperatures, top_ks, top_ps, seeds: Sequence[int | None] | None = None,
-                steps: Sequence[int] | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+                steps: Sequence[int] | None = None, generator: torch.Generator | None = None, min_ps=None) -> torch.Tensor:
         "One token id (int64) per row; `seeds[i]` with `steps[i]` makes row i reproducible, else `generator` draws."
-        temperatures, top_ks, top_ps = check_sampling_inputs(logits, temperatures, top_ks, top_ps, seeds, steps)
+        temperatures, top_ks, top_ps, min_ps = check_sampling_inputs(logits, temperatures, top_ks, top_ps, seeds, steps,
+                                                                     min_ps)
         logits = logits.float()
         greedy = temperatures < GREEDY_TEMPERATURE
         greedy_tokens = logits.max(dim=-1).indices  # argmax (the first of tied maxima), a third of its CPU time
@@ -257,6 +272,8 @@ class Sampler(nn.Module):
             return greedy_tokens
         # subtle: greedy rows divide by 1, not 0; their sampled token is discarded below.
         scaled = logits / torch.where(greedy, 1.0, temperatures)[:, None]
+        if min_ps is not None:
+            scaled = apply_min_p(scaled, min_ps)  # after temperature, before top-k and top-p, as in vLLM
         probs = apply_top_k_top_p(scaled, top_ks, top_ps).softmax(dim=-1)
         batch, vocab = logits.shape
         noise = exponential_noise(batch, vocab, seeds or [None] * batch, steps, generator, logits.device)
@@ -266,18 +283,45 @@ class Sampler(nn.Module):
         return torch.where(greedy, greedy_tokens, sampled)
 
 # %% ../../nbs/05_layers.ipynb #16f2c0ce
-def apply_penalties(logits: torch.Tensor, output_token_ids: Sequence[Sequence[int]], presence_penalties,
-                    frequency_penalties) -> torch.Tensor:
-    "Logits `[B, V]` (float32) lowered, row i, by its presence penalty for each token generated so far and its frequency penalty per time."
-    batch, vocab = logits.shape
-    counts = torch.zeros(batch, vocab, dtype=torch.float32, device=logits.device)
-    for i, ids in enumerate(output_token_ids):
+def _seen(token_ids: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:
+    "How many times each token occurs in each row's `token_ids`, `[B, V]` float32."
+    counts = torch.zeros(len(token_ids), vocab, dtype=torch.float32, device=device)
+    for i, ids in enumerate(token_ids):
         if ids:
-            counts[i].index_add_(0, torch.as_tensor(ids, dtype=torch.int64, device=logits.device),
-                                 torch.ones(len(ids), device=logits.device))
-    presence = torch.as_tensor(presence_penalties, dtype=torch.float32, device=logits.device)[:, None]
-    frequency = torch.as_tensor(frequency_penalties, dtype=torch.float32, device=logits.device)[:, None]
-    return logits.float() - frequency * counts - presence * (counts > 0)
+            counts[i].index_add_(0, torch.as_tensor(ids, dtype=torch.int64, device=device),
+                                 torch.ones(len(ids), device=device))
+    return counts
+
+def apply_penalties(logits: torch.Tensor, output_token_ids: Sequence[Sequence[int]], presence_penalties=None,
+                    frequency_penalties=None, repetition_penalties=None,
+                    prompt_token_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    "Logits `[B, V]` (float32), row i penalised: repetition over its prompt and output tokens, then frequency and presence over its output."
+    batch, vocab = logits.shape
+    logits, counts = logits.float(), _seen(output_token_ids, vocab, logits.device)
+    row = lambda values: torch.as_tensor(values, dtype=torch.float32, device=logits.device)[:, None]
+    if repetition_penalties is not None:
+        seen = counts > 0
+        if prompt_token_ids is not None:
+            seen |= _seen(prompt_token_ids, vocab, logits.device) > 0
+        r = row(repetition_penalties)
+        # subtle: divide a positive logit, multiply a negative one (transformers' arithmetic, which vLLM's kernel
+        # follows): r > 1 then lowers every seen token, where dividing all logits by r would raise negative ones
+        logits = torch.where(seen, torch.where(logits < 0, logits * r, logits / r), logits)
+    if frequency_penalties is not None:
+        logits = logits - row(frequency_penalties) * counts
+    if presence_penalties is not None:
+        logits = logits - row(presence_penalties) * (counts > 0)
+    return logits
+
+def mask_tokens(logits: torch.Tensor, token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+    "Logits `[B, V]` with row i's `token_ids[i]` set to `-inf` (ids past the vocabulary are left out): EOS and stop tokens before min_tokens."
+    vocab = logits.shape[-1]
+    rows = [i for i, ids in enumerate(token_ids) for t in ids if t < vocab]
+    if not rows:
+        return logits
+    cols = [t for ids in token_ids for t in ids if t < vocab]
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    return logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
 # %% ../../nbs/05_layers.ipynb #147add1f
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int | None]) -> list[dict[int, float] | None]:
