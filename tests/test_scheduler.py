@@ -207,6 +207,38 @@ def test_eos_and_stop_tokens_finish_requests_and_free_blocks():
     assert all(s.block_table == [] for s in seqs)
 
 
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_min_tokens_hold_eos_and_stop_tokens_back(ignore_eos):
+    "Whatever ignore_eos says, EOS or a stop token ends a request only with at least min_tokens tokens before it."
+    prompt = [1, 2, 3]
+    free_run = reference_tokens(prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    eos, stop = free_run[1], free_run[3]
+    ends = {stop} if ignore_eos else {stop, eos}
+    sched = make_scheduler(eos_token_ids=[eos])
+    requests = [(prompt, SamplingParams(max_tokens=30, min_tokens=m, ignore_eos=ignore_eos, stop_token_ids=[stop]))
+                for m in range(0, 31, 3)]
+    seqs, _ = run_scheduler(sched, requests)
+    for (_, params), seq in zip(requests, seqs):
+        first = next((i for i, t in enumerate(free_run) if t in ends and i >= params.min_tokens), None)
+        expected = ("length", free_run) if first is None else ("stop", free_run[:first + 1])
+        assert (seq.finish_reason, seq.completion_token_ids) == expected, params.min_tokens
+    assert seqs[0].num_completion_tokens < 5 and seqs[-1].finish_reason == "length"  # min_tokens did hold them back
+
+
+def test_masked_token_ids_tell_the_sampler_what_min_tokens_holds_back():
+    sched = make_scheduler(eos_token_ids=[7, 3])
+    a = sched.add([1, 2, 3], SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[9]))
+    b = sched.add([4, 5], SamplingParams(max_tokens=8, ignore_eos=True, min_tokens=1))
+    c = sched.add([6], SamplingParams(max_tokens=8))
+    told = []
+    for _ in range(3):
+        batch = sched.schedule()
+        told.append(batch.masked_token_ids)  # read before postprocess, like the rest of the batch
+        sched.postprocess(batch, [11] * batch.num_seqs)
+    assert told == [[[3, 7, 9], [3, 7], []], [[3, 7, 9], [], []], None]  # EOS held back even with ignore_eos
+    assert [s.num_completion_tokens for s in (a, b, c)] == [3, 3, 3]
+
+
 def test_max_model_len_caps_prompt_and_output():
     sched = make_scheduler(max_model_len=10)
     (seq,), _ = run_scheduler(sched, [([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))])

@@ -83,6 +83,7 @@ class ScheduledBatch:
 
     num_new_tokens: list[int]  # per sequence: tokens to compute in this step (1 each in a decode step)
     preempted: list[Sequence] = field(default_factory=list)  # sequences preempted to make room for this batch
+    eos_token_ids: frozenset[int] = frozenset()  # the scheduler's EOS ids, which min_tokens holds back
     samples: list[bool] = field(init=False)  # per sequence: whether this step ends at its last token, so samples one
 
     def __post_init__(self):
@@ -110,6 +111,15 @@ class ScheduledBatch:
     def positions(self) -> list[int]:
         "The position of each token of `input_ids` in its sequence."
         return token_positions(self.num_computed_tokens, self.num_new_tokens)
+    @property
+    def masked_token_ids(self) -> list[list[int]] | None:
+        "Per sequence, the tokens it must not sample now: EOS and its stop tokens while it is short of `min_tokens`; None if no sequence is."
+        short = [s.num_completion_tokens < s.sampling_params.min_tokens for s in self.seqs]
+        if not any(short):
+            return None
+        # subtle: EOS is held back even with ignore_eos (vLLM does the same): min_tokens means "not before"
+        return [sorted(self.eos_token_ids | set(s.sampling_params.stop_token_ids)) if is_short else []
+                for s, is_short in zip(self.seqs, short)]
 
 # %% ../../nbs/09_scheduler.ipynb #198d31d9
 class Scheduler:
@@ -222,7 +232,8 @@ def _schedule_prefill(self: Scheduler) -> ScheduledBatch | None:
         seq.status = SequenceStatus.RUNNING
         self.running.append(self.waiting.popleft())
         take(seq)
-    return ScheduledBatch(seqs, is_prefill=True, num_computed_tokens=computed, num_new_tokens=new) if seqs else None
+    return ScheduledBatch(seqs, is_prefill=True, num_computed_tokens=computed, num_new_tokens=new,
+                          eos_token_ids=self.eos_token_ids) if seqs else None
 
 @patch
 def _schedule_decode(self: Scheduler) -> ScheduledBatch:
@@ -244,7 +255,7 @@ def _schedule_decode(self: Scheduler) -> ScheduledBatch:
     if not scheduled:  # cannot happen: alone in the cache, any accepted sequence fits (see `add`)
         raise RuntimeError("no running sequence fits in the KV cache: the admission checks in add() were bypassed")
     return ScheduledBatch(scheduled, is_prefill=False, num_computed_tokens=[s.num_tokens - 1 for s in scheduled],
-                          num_new_tokens=[1] * len(scheduled), preempted=preempted)
+                          num_new_tokens=[1] * len(scheduled), preempted=preempted, eos_token_ids=self.eos_token_ids)
 
 @patch
 def _preempt(self: Scheduler, seq: Sequence) -> None:
@@ -296,9 +307,12 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
 
 @patch
 def _finish_reason(self: Scheduler, seq: Sequence) -> str | None:
-    "'stop' after a stop token, 'length' at max_tokens or max_model_len, else None."
+    "'stop' after a stop token with at least min_tokens tokens before it, 'length' at max_tokens or max_model_len, else None."
     params, token = seq.sampling_params, seq.last_token
-    if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+    # subtle: the sampler never picks EOS or a stop token while fewer than min_tokens tokens precede it
+    # (`masked_token_ids`); the same rule here holds for any other source of tokens, whatever ignore_eos says
+    if seq.num_completion_tokens > params.min_tokens and (
+            token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)):
         return "stop"
     if seq.num_completion_tokens >= (params.max_tokens or self.max_model_len) or seq.num_tokens >= self.max_model_len:
         return "length"
