@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # the channels' types, for the annotations only: the ranks ar
 
 # %% auto #0
 __all__ = ['logger', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer', 'CompletionText', 'Request', 'LLM',
-           'sample_seed']
+           'encode_prompt', 'sample_seed']
 
 # %% ../nbs/13_llm.ipynb #23843fa7
 @dataclass
@@ -260,18 +260,22 @@ class LLM:
         return f"LLM({str(self.args.model)!r}, tensor_parallel_size={self.args.tensor_parallel_size}, {state})"
 
 # %% ../nbs/13_llm.ipynb #33969779
-@patch
-def _prompt_ids(self: LLM, prompt) -> tuple[str | None, list[int]]:
-    "`(text, token_ids)` of a prompt given as a string, or as token ids (a list, a NumPy array, a tensor)."
+def encode_prompt(prompt, tokenizer, vocab_size: int, model) -> tuple[str | None, list[int]]:
+    "`(text, token_ids)` of a prompt given as a string, or as token ids (a list, a NumPy array, a tensor) of `model`."
     if isinstance(prompt, str):
-        if self.tokenizer is None:
-            raise ValueError(f"{self.args.model} has no tokenizer: pass prompts as lists of token ids")
-        return prompt, self.tokenizer.encode(prompt)
+        if tokenizer is None:
+            raise ValueError(f"{model} has no tokenizer: pass prompts as lists of token ids")
+        return prompt, tokenizer.encode(prompt)
     if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):  # a NumPy array or a torch tensor
         prompt = prompt.tolist()
     if is_int(prompt) or not hasattr(prompt, "__iter__"):
         raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__} {prompt!r}")
-    return None, check_token_ids(prompt, self.config.vocab_size)  # NumPy and torch ints become Python ints
+    return None, check_token_ids(prompt, vocab_size)  # NumPy and torch ints become Python ints
+
+@patch
+def _prompt_ids(self: LLM, prompt) -> tuple[str | None, list[int]]:
+    "`(text, token_ids)` of a prompt, by this engine's tokenizer and vocabulary (`encode_prompt`)."
+    return encode_prompt(prompt, self.tokenizer, self.config.vocab_size, self.args.model)
 
 def sample_seed(seed: int | None, index: int) -> int | None:
     "The seed of a prompt's `index`-th completion: the request's own for the first, a distinct one derived from it after."

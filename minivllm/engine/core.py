@@ -317,18 +317,25 @@ def receive(self: EngineCoreProcess, timeout_s: float | None = None):
 
 # %% ../../nbs/13a_engine_core.ipynb #4eded639
 @patch
-def close(self: EngineCoreProcess, timeout_s: float = 30.0) -> None:
-    "Stop the core (Shutdown, then a kill if it does not go), its ranks and shared memory with it; remove the sockets. Idempotent."
-    if self.process is not None:
-        if self.process.is_alive():
-            try:
-                with self._send_lock:
-                    self.inbox.send(self._write(Shutdown()), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            self.process.join(timeout_s)
+def shutdown(self: EngineCoreProcess, wait_s: float | None = 30.0) -> None:
+    "Ask the core to stop (from any thread, a signal handler too); with `wait_s`, wait that long, then kill it."
+    if self.process is None:
+        return
+    if self.process.is_alive():
+        try:
+            with self._send_lock:
+                self.inbox.send(self._write(Shutdown()), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:  # closed sockets, or a core that reads no more
+            pass
+    if wait_s is not None:
+        self.process.join(wait_s)
         self.process.kill()  # a no-op for a process that has ended
         self.process.join()
+
+@patch
+def close(self: EngineCoreProcess, timeout_s: float = 30.0) -> None:
+    "Stop the core (Shutdown, then a kill if it does not go), its ranks and shared memory with it; remove the sockets. Idempotent."
+    self.shutdown(timeout_s)
     if self._exit_fd is not None:
         os.close(self._exit_fd)
         self._exit_fd = None
