@@ -1,7 +1,26 @@
+"""minivllm: a small, readable LLM inference engine.
+
+The public names load on first use (PEP 562's module `__getattr__`), so `import minivllm.cli` and `minivllm --help`
+do not import torch or transformers; `from minivllm import LLM` imports them as it always did."""
 __version__ = "0.0.1"
 
-from minivllm.sampling_params import SamplingParams  # noqa: E402
-from minivllm.llm import LLM, CompletionOutput, RequestOutput  # noqa: E402
-from minivllm.async_llm import AsyncLLM  # noqa: E402
+import importlib
+
+# each public name -> the module that defines it
+_LAZY = {"SamplingParams": "minivllm.sampling_params", "LLM": "minivllm.llm", "CompletionOutput": "minivllm.llm",
+         "RequestOutput": "minivllm.llm", "AsyncLLM": "minivllm.async_llm"}
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name: str):
+    "Import the module that defines the public `name` on first use, and keep the name here for later lookups."
+    if name not in _LAZY:
+        raise AttributeError(f"module 'minivllm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -10,25 +10,21 @@ import logging
 import sys
 from pathlib import Path
 
-import transformers
-
 from . import __version__
-from .bench import comm as comm_bench, serve as serve_bench, throughput as throughput_bench
-from .config import TOKENIZER_FILES, Config, has_tokenizer, model_folder, resolve_model
-from .distributed import RankFailure
-from .engine.scheduler import SamplingParams
-from .llm import LLM
 
 # %% auto #0
-__all__ = ['USER_ERRORS', 'check_tokenizer', 'OneLineErrorParser', 'add_node_options', 'make_parser', 'main']
+__all__ = ['DTYPES', 'USER_ERRORS', 'check_tokenizer', 'OneLineErrorParser', 'LazyParser', 'DefaultsFormatter',
+           'add_node_options', 'add_engine_options', 'make_parser', 'print_streamed', 'main']
 
 # %% ../nbs/15_cli.ipynb #d81c6a1f
 def check_tokenizer(folder: Path, chat: bool) -> None:
     "Raise `ValueError`, before the model loads, if `folder` cannot encode text or (`chat`) has no chat template."
+    from minivllm.config import TOKENIZER_FILES, has_tokenizer
     if not has_tokenizer(folder):
         raise ValueError(f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), so it cannot encode "
                          "text prompts: use a checkpoint folder that includes its tokenizer files")
     if chat:
+        import transformers
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"the model at {folder} has no chat template, so --chat cannot wrap the prompts: drop "
@@ -39,6 +35,32 @@ class OneLineErrorParser(argparse.ArgumentParser):
     "An `ArgumentParser` whose usage errors are one line, `minivllm: error: ...`, like the command's other errors."
     def error(self, message: str):
         self.exit(2, f"minivllm: error: {message} (see {self.prog} --help)\n")
+
+class LazyParser(OneLineErrorParser):
+    "A sub-command's parser whose options `fill(parser)` adds when it is first used, so their modules load only then."
+    def __init__(self, *args, fill=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fill = fill
+
+    def filled(self) -> LazyParser:
+        "This parser, with its options added (once)."
+        if self.fill is not None:
+            fill, self.fill = self.fill, None
+            fill(self)
+        return self
+
+    # every way in: parse_args and the sub-command action call parse_known_args; --help and errors format
+    def parse_known_args(self, args=None, namespace=None):
+        return super(LazyParser, self.filled()).parse_known_args(args, namespace)
+    def format_usage(self) -> str: return super(LazyParser, self.filled()).format_usage()
+    def format_help(self) -> str: return super(LazyParser, self.filled()).format_help()
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    "Adds `(default: ...)` to an option's help unless the help already names its default or the default is None."
+    def _get_help_string(self, action: argparse.Action) -> str:  # the hook ArgumentDefaultsHelpFormatter overrides
+        if "(default" in (action.help or "") or action.default is None:
+            return action.help or ""
+        return super()._get_help_string(action)
 
 _SAMPLING_NOTE = ("The sampling defaults differ from SamplingParams' (temperature 1.0, top_p 1.0): 0.8 and 0.95 make "
                   "the packaged model's text read better. Pass --temperature 1 --top-p 1 for SamplingParams' defaults.")
@@ -54,17 +76,29 @@ def add_node_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-port", type=int, default=0,
                    help="the rendezvous' port, 0 = any free one, printed for the other machines (default: %(default)s)")
 
+DTYPES = ["auto", "half", "float16", "bfloat16", "float", "float32"]  # vLLM's --dtype choices
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    "The engine's options that `generate` and `serve` share, under vLLM's names."
+    p.add_argument("-tp", "--tensor-parallel-size", "--tp", dest="tp", type=int, default=1, metavar="N",
+                   help="how many ranks to split the model over (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="the weights' dtype; auto: the checkpoint's (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the longest prompt + completion, in tokens "
+                        "(default: the model's max_position_embeddings, at most 4096)")
+
 # %% ../nbs/15_cli.ipynb #efc3b065
 def _add_generate(sub) -> None:
     "`minivllm generate`'s options."
     g = sub.add_parser("generate", help="complete prompts and print the completions",
-                       description="Complete each prompt and print it with its completion.", epilog=_SAMPLING_NOTE)
+                       description="Complete each prompt and print it with its completion: as it is generated on a "
+                                   "terminal, at the end into a pipe or a file.", epilog=_SAMPLING_NOTE)
     g.add_argument("prompts", nargs="+", help="one or more prompts, each one argument (quote prompts with spaces)")
     g.add_argument("--model", default=None,
                    help="a Hugging Face checkpoint folder, or a hub id such as Qwen/Qwen3-0.6B, taken from the "
                         "local Hugging Face cache or downloaded (default: the packaged model)")
-    g.add_argument("--tp", type=int, default=1,
-                   help="tensor_parallel_size: how many ranks to split the model over (default: %(default)s)")
+    add_engine_options(g)
     g.add_argument("--max-tokens", type=int, default=64,
                    help="the most tokens to generate for each prompt (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.8,
@@ -78,11 +112,6 @@ def _add_generate(sub) -> None:
                    help="makes sampling reproducible (default: none, a different text each run)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the end-of-sequence token (default: off)")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="the weights' dtype (default: the checkpoint's)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="the longest prompt + completion, in tokens "
-                        "(default: the model's max_position_embeddings, at most 4096)")
     g.add_argument("--chat", action="store_true",
                    help="wrap each prompt in the model's chat template and print only the reply (default: off)")
     g.add_argument("--quiet", action="store_true",
@@ -90,31 +119,44 @@ def _add_generate(sub) -> None:
     add_node_options(g)
 
 def _add_serve(sub) -> None:
-    "`minivllm serve`'s options."
+    "`minivllm serve`'s options, named as `vllm serve` names them."
     s = sub.add_parser("serve", help="serve a model over OpenAI's API (completions, chat, streaming)",
                        description="Serve a model over OpenAI's API until Ctrl-C or SIGTERM: POST /v1/completions, "
                                    "POST /v1/chat/completions, GET /v1/models, /health and /metrics (notebook 13c).")
-    s.add_argument("--model", default=None,
-                   help="a Hugging Face checkpoint folder or hub id (default: the packaged model)")
-    s.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (default: %(default)s)")
+    s.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="a Hugging Face checkpoint folder or hub id, as `vllm serve MODEL` takes it "
+                        "(default: the packaged model)")
+    s.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                   help="the same as MODEL, for scripts that name it (default: MODEL)")
+    add_engine_options(s)
     s.add_argument("--host", default="127.0.0.1",
                    help="the address to listen on (default: %(default)s, this machine only; 0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000, help="the port to listen on, 0 = any free one (default: %(default)s)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 requests (default: none; also MINIVLLM_API_KEY)")
     s.add_argument("--served-model-name", default=None,
-                   help="the model's name in the API (default: --model as given, or minivllm-default)")
-    s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="the weights' dtype (default: the checkpoint's)")
-    s.add_argument("--max-model-len", type=int, default=None,
-                   help="the longest prompt + completion, in tokens (default: the model's, at most 4096)")
+                   help="the model's name in the API (default: MODEL as given, or minivllm-default)")
     s.add_argument("--max-num-seqs", type=int, default=256, help="the most requests in one batch (default: %(default)s)")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="on a GPU, the fraction of its memory the engine may use; the CPU ignores it "
+                        "(default: %(default)s)")
+    s.add_argument("--enforce-eager", action="store_true",
+                   help="never capture CUDA graphs; the CPU always runs eagerly (default: off)")
+    s.add_argument("--seed", type=int, default=0,
+                   help="seeds the draws of requests that bring no seed of their own (default: %(default)s)")
     s.add_argument("--max-request-bytes", type=int, default=None,
                    help="the largest request body the server reads, in bytes; larger ones get a 413 (default: 4 MiB, "
                         "minivllm.server.MAX_REQUEST_BYTES)")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level; info logs every request (default: %(default)s)")
     add_node_options(s)
+
+def _model_argument(a: argparse.Namespace) -> str | None:
+    "`serve`'s model, given as MODEL or as --model (None: the packaged model); both at once must agree."
+    if a.model is not None and a.model_option is not None and a.model != a.model_option:
+        raise ValueError(f"the model is given twice, as MODEL ({a.model}) and as --model ({a.model_option}): "
+                         "give it once")
+    return a.model if a.model is not None else a.model_option
 
 # %% ../nbs/15_cli.ipynb #99ad16bf
 def _add_worker(sub) -> None:
@@ -134,13 +176,9 @@ def _add_worker(sub) -> None:
     w.add_argument("--timeout", type=float, default=300.0,
                    help="seconds to wait for the engine to answer (default: %(default)s)")
 
-def _add_bench(sub) -> None:
-    "`minivllm bench`'s options, and its other benchmarks as sub-commands."
-    b = sub.add_parser("bench", help="benchmarks: throughput against transformers (and bench serve, bench allreduce)",
-                       description="minivllm against transformers on one seeded workload (notebook 14). Other "
-                                   "benchmarks: minivllm bench serve, a server under load (notebook 14a), and "
-                                   "minivllm bench allreduce, the collectives (notebook 14b).",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def _fill_bench(b: argparse.ArgumentParser) -> None:
+    "`minivllm bench`'s options and its other benchmarks as sub-commands, from the benchmark modules (they import torch)."
+    from minivllm.bench import comm as comm_bench, serve as serve_bench, throughput as throughput_bench
     throughput_bench.add_arguments(b)
     b.set_defaults(run=throughput_bench.run)
     others = b.add_subparsers(dest="benchmark", title="other benchmarks", metavar="BENCHMARK",
@@ -150,10 +188,17 @@ def _add_bench(sub) -> None:
              "a server under load: throughput, time to first token and per output token at each request rate"),
             ("allreduce", comm_bench.add_allreduce_arguments, comm_bench.run_allreduce,
              "one all-reduce through gloo and through shared memory, and their ratio")):
-        o = others.add_parser(name, help=help, description=run.__doc__,
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        o = others.add_parser(name, help=help, description=run.__doc__, formatter_class=DefaultsFormatter)
         add(o)
         o.set_defaults(run=run)
+
+def _add_bench(sub) -> None:
+    "`minivllm bench`, its options added when it is the command."
+    sub.add_parser("bench", help="benchmarks: throughput against transformers (and bench serve, bench allreduce)",
+                   description="minivllm against transformers on one seeded workload (notebook 14). Other "
+                               "benchmarks: minivllm bench serve, a server under load (notebook 14a), and "
+                               "minivllm bench allreduce, the collectives (notebook 14b).",
+                   formatter_class=DefaultsFormatter, fill=_fill_bench)
 
 def make_parser() -> argparse.ArgumentParser:
     "The `minivllm` command line's parser."
@@ -161,46 +206,94 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"minivllm {__version__}",
                         help="print minivllm's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND",
-                                help="minivllm COMMAND --help describes each")
+                                help="minivllm COMMAND --help describes each", parser_class=LazyParser)
     for add in (_add_generate, _add_serve, _add_worker, _add_bench):
         add(sub)
     return parser
 
+# %% ../nbs/15_cli.ipynb #a6f3b590
+def print_streamed(deltas, heads: list[str], out=None) -> None:
+    "Write `heads[i]` + request i's text from `LLM.stream`'s `deltas` to `out` (stdout) in prompt order, as it comes."
+    out = out or sys.stdout
+    texts, finished = [""] * len(heads), [False] * len(heads)
+    current, shown = 0, 0  # the completion being written, and how much of its text is out
+
+    def write_ready():
+        nonlocal current, shown
+        while current < len(heads):
+            out.write(texts[current][shown:]); shown = len(texts[current])
+            if not finished[current]:
+                break
+            out.write("\n" + ("-" * 40 + "\n" if len(heads) > 1 else ""))
+            current, shown = current + 1, 0
+            if current < len(heads):
+                out.write(heads[current])
+        out.flush()
+
+    out.write(heads[0])
+    try:
+        for d in deltas:
+            i = int(d.request_id)  # LLM.stream's request ids are the prompts' indices
+            texts[i] += d.text or ""
+            finished[i] = d.finished
+            write_ready()
+    except BaseException:
+        out.write("\n")  # subtle: Ctrl-C's one line goes below the text, not at the end of it
+        out.flush()
+        raise
+    if current < len(heads):  # a stream that ends has ended every request
+        finished = [True] * len(heads)
+        write_ready()
+
 # %% ../nbs/15_cli.ipynb #44423495
+def _dtype(a: argparse.Namespace) -> str | None:
+    "The engine's dtype from --dtype (None: the checkpoint's)."
+    return None if a.dtype == "auto" else a.dtype
+
 def _generate_command(a: argparse.Namespace) -> int:
-    "`minivllm generate`: complete the prompts and print them with their completions."
+    "`minivllm generate`: complete the prompts and print them with their completions (streamed on a terminal)."
+    from minivllm.config import Config, model_folder
+    from minivllm.llm import LLM
+    from minivllm.sampling_params import SamplingParams
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, max_tokens=a.max_tokens,
                             seed=a.seed, ignore_eos=a.ignore_eos)
     folder = model_folder(a.model)
-    Config.from_pretrained(folder, tensor_parallel_size=a.tp, dtype=a.dtype)  # the checks that need no weights
+    Config.from_pretrained(folder, tensor_parallel_size=a.tp, dtype=_dtype(a))  # the checks that need no weights
     check_tokenizer(folder, a.chat)
+    heads = [""] * len(a.prompts) if a.chat else list(a.prompts)  # what each completion is printed after
     engine_logger = logging.getLogger("minivllm")
     level = engine_logger.level
     if a.quiet:
         engine_logger.setLevel(logging.WARNING)
     try:
-        with LLM(folder, tensor_parallel_size=a.tp, dtype=a.dtype, max_model_len=a.max_model_len,
+        with LLM(folder, tensor_parallel_size=a.tp, dtype=_dtype(a), max_model_len=a.max_model_len,
                  **_node_kwargs(a)) as llm:
             prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in a.prompts] if a.chat else a.prompts
-            outputs = llm.generate(prompts, params, use_tqdm=not a.quiet)
+            if sys.stdout.isatty():
+                print_streamed(llm.stream(list(prompts), params), heads)
+                return 0
+            outputs = llm.generate(list(prompts), params, use_tqdm=not a.quiet)
     finally:
         engine_logger.setLevel(level)  # subtle: main() may run in a longer-lived process (tests, notebooks)
-    for prompt, out in zip(a.prompts, outputs):
-        print(f"{prompt}{out.text}" if not a.chat else out.text)
+    for head, out in zip(heads, outputs):
+        print(f"{head}{out.text}")
         if len(outputs) > 1: print("-" * 40)
     return 0
 
 def _serve_command(a: argparse.Namespace) -> int:
     "`minivllm serve`: serve the model until Ctrl-C or SIGTERM."
     import os
-    from minivllm.server import serve
+    model = _model_argument(a)
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be from 0 to 65535, got {a.port}")
-    folder = model_folder(a.model)
-    Config.from_pretrained(folder, tensor_parallel_size=a.tp, dtype=a.dtype)  # no weights needed: before anything binds
-    serve(folder if a.model is not None else None, a.tp, a.host, a.port, a.api_key or os.environ.get("MINIVLLM_API_KEY"),
-          a.served_model_name or a.model, a.log_level, dtype=a.dtype, max_model_len=a.max_model_len,
-          max_num_seqs=a.max_num_seqs, **_node_kwargs(a),
+    from minivllm.config import Config, model_folder
+    from minivllm.server import serve
+    folder = model_folder(model)
+    Config.from_pretrained(folder, tensor_parallel_size=a.tp, dtype=_dtype(a))  # no weights needed: before anything binds
+    serve(folder if model is not None else None, a.tp, a.host, a.port, a.api_key or os.environ.get("MINIVLLM_API_KEY"),
+          a.served_model_name or model, a.log_level, dtype=_dtype(a), max_model_len=a.max_model_len,
+          max_num_seqs=a.max_num_seqs, gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
+          seed=a.seed, **_node_kwargs(a),
           **({"max_request_bytes": a.max_request_bytes} if a.max_request_bytes is not None else {}))
     return 0
 
@@ -210,18 +303,20 @@ def _node_kwargs(a: argparse.Namespace) -> dict:
 
 def _worker_command(a: argparse.Namespace) -> int:
     "`minivllm worker`: serve this machine's ranks of an engine started with --nnodes, until it closes."
+    if not 1 <= a.master_port <= 65535:
+        raise ValueError(f"--master-port must be from 1 to 65535 (the engine prints it), got {a.master_port}")
+    from minivllm.config import resolve_model
     from minivllm.engine.model_runner import EngineArgs, ModelRunner
     from minivllm.engine.multinode import run_node
     from minivllm.engine.wire import secret_from_env
-    if not 1 <= a.master_port <= 65535:
-        raise ValueError(f"--master-port must be from 1 to 65535 (the engine prints it), got {a.master_port}")
     model = str(resolve_model(a.model)) if a.model is not None else None
     log = lambda line: print(f"minivllm: {line}", file=sys.stderr, flush=True)
     return run_node(a.master_addr, a.master_port, a.node_rank, ModelRunner, args_type=EngineArgs, secret=secret_from_env(),
                     nnodes=a.nnodes, node_addr=a.node_addr, model=model, timeout_s=a.timeout, log=log)
 
-# the errors a user can cause; OSError covers FileNotFoundError, NotADirectoryError, PermissionError
-USER_ERRORS = (ValueError, TypeError, OSError, RankFailure, RuntimeError)
+# the errors a user can cause; OSError covers FileNotFoundError, NotADirectoryError, PermissionError, and
+# RuntimeError the engine's RankFailure (a rank raised, died or timed out)
+USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError)
 
 def _one_line(error: BaseException) -> str:
     "The first line of `error`'s message (its type's name if it has none)."

@@ -1,7 +1,10 @@
 """The `minivllm` command line, in this process (`main([...])`) and as a real `python -m minivllm` process: help with
-defaults, one-line errors with exit status 2, Ctrl-C, --quiet."""
+defaults and at once (no torch), vLLM's names (`serve MODEL -tp 2`), one-line errors with exit status 2, Ctrl-C,
+--quiet, the text streamed on a terminal."""
 import logging
 import os
+import pty
+import re
 import select
 import shutil
 import signal
@@ -10,15 +13,17 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
 from minivllm import __version__
 from minivllm.cli import main
 from minivllm.llm import DEFAULT_MODEL
-from minivllm.testing import default_sigint, gone, make_tiny_checkpoint, rank_processes, wait_until
+from minivllm.testing import (ServerProcess, default_sigint, gone, make_chat_checkpoint, make_tiny_checkpoint,
+                              rank_processes, wait_until)
 
-OPTIONS = ("--model", "--tp", "--max-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--ignore-eos", "--dtype",
-           "--max-model-len", "--chat", "--quiet", "--nnodes", "--master-addr", "--master-port")
+OPTIONS = ("--model", "--tensor-parallel-size", "--max-tokens", "--temperature", "--top-k", "--top-p", "--seed",
+           "--ignore-eos", "--dtype", "--max-model-len", "--chat", "--quiet", "--nnodes", "--master-addr", "--master-port")
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +67,9 @@ def bad_inputs(tmp_path_factory):
         "serve: port out of range": (["serve", "--port", "70000"], "--port must be from 0 to 65535"),
         "serve: port in use": (["serve", "--port", str(taken.getsockname()[1])], "Address already in use): choose "
                                                                                    "another --port"),
+        "serve: two models": (["serve", "a/b", "--model", "c/d"], "the model is given twice, as MODEL (a/b) and as "
+                                                                   "--model (c/d): give it once"),
+        "serve: bad dtype": (["serve", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
         "missing folder": (["generate", "hi", "--model", str(root / "nowhere")], "does not exist"),
         "hub id not cached": (["generate", "hi", "--model", "org/not-cached"], "is not in the local cache"),
         "config not an object": (["generate", "hi", "--model", str(not_an_object)], "must hold a JSON object"),
@@ -76,10 +84,10 @@ def bad_inputs(tmp_path_factory):
 
 
 CASES = ["serve: missing folder", "serve: tp 3 for 4 heads", "serve: port out of range", "serve: port in use",
-         "missing folder", "hub id not cached", "config not an object", "tp 3 for 4 heads", "negative temperature",
+         "serve: two models", "serve: bad dtype", "missing folder", "hub id not cached", "config not an object", "tp 3 for 4 heads", "negative temperature",
          "corrupt safetensors", "chat without template", "no tokenizer", "usage error"]
 CHILD_CASES = ["serve: missing folder", "serve: tp 3 for 4 heads", "serve: port out of range", "serve: port in use",
-         "missing folder", "config not an object", "tp 3 for 4 heads", "negative temperature", "corrupt safetensors",
+         "serve: two models", "serve: bad dtype", "missing folder", "config not an object", "tp 3 for 4 heads", "negative temperature", "corrupt safetensors",
                "chat without template"]
 
 
@@ -128,6 +136,116 @@ def test_top_level_help_and_version(capsys):
     assert "generate" in out and "bench" in out and "--version" in out
     assert main(["--version"]) == 0
     assert capsys.readouterr().out == f"minivllm {__version__}\n"
+
+
+def test_help_names_each_default_once(capsys):
+    for argv in (["bench", "--help"], ["bench", "serve", "--help"], ["bench", "allreduce", "--help"], ["serve", "--help"]):
+        assert main(argv) == 0
+        flat = " ".join(capsys.readouterr().out.split())
+        assert "(default: None)" not in flat and not re.search(r"\(default: [^()]*\) \(default:", flat), (argv, flat)
+    assert main(["bench", "--help"]) == 0
+    assert " ".join(capsys.readouterr().out.split()).count("(default: the packaged model)") == 1
+
+
+# --- help and usage errors at once: no torch before a command runs -----------------------------------------------------
+
+NO_TORCH = """
+import sys, contextlib, io
+from minivllm.cli import main
+assert not {"torch", "transformers"} & set(sys.modules), "import minivllm.cli"
+for argv in (["--help"], ["--version"], ["generate", "--help"], ["serve", "--help"], ["worker", "--help"],
+             ["serve", "a", "--model", "b"], ["generate", "hi", "--tp", "two"], ["serve", "--port", "70000"], []):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        main(argv)
+    assert not {"torch", "transformers"} & set(sys.modules), argv
+print("no torch")
+"""
+
+
+def test_the_cli_imports_no_torch_until_a_command_runs(hub_env):
+    child = subprocess.run([sys.executable, "-c", NO_TORCH], capture_output=True, text=True, env=hub_env, timeout=60)
+    assert child.returncode == 0 and child.stdout == "no torch\n", child.stderr
+    # the package's public names still load on first use, and are the modules' own
+    child = subprocess.run([sys.executable, "-c", "import sys, minivllm; assert 'torch' not in sys.modules; "
+                            "from minivllm import LLM, SamplingParams; import minivllm.llm as m; "
+                            "assert LLM is m.LLM and 'LLM' in dir(minivllm); print('ok')"],
+                           capture_output=True, text=True, env=hub_env, timeout=120)
+    assert child.returncode == 0 and child.stdout == "ok\n", child.stderr
+
+
+def test_help_answers_at_once(hub_env):
+    "A loose guard (under 2 s, the best of three, on a busy machine); with torch imported it took about 2 to 4 s."
+    def seconds() -> float:
+        start = time.perf_counter()
+        child = subprocess.run([sys.executable, "-m", "minivllm", "--help"], capture_output=True, text=True,
+                               env=hub_env, timeout=60)
+        assert child.returncode == 0 and "serve" in child.stdout, child.stderr
+        return time.perf_counter() - start
+    best = min(seconds() for _ in range(3))
+    assert best < 2.0, f"minivllm --help took {best:.2f} s"
+
+
+# --- vLLM's names ------------------------------------------------------------------------------------------------------
+
+def test_serve_passes_every_option_to_the_server(monkeypatch):
+    import minivllm.server
+    seen = {}
+    monkeypatch.setattr(minivllm.server, "serve", lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs))
+    model = str(DEFAULT_MODEL)
+    assert main(["serve", model, "-tp", "2", "--host", "0.0.0.0", "--port", "0", "--api-key", "k",
+                 "--served-model-name", "m", "--max-model-len", "128", "--dtype", "bfloat16", "--max-num-seqs", "8",
+                 "--gpu-memory-utilization", "0.5", "--enforce-eager", "--seed", "7"]) == 0
+    folder, tp, host, port, key, name, log_level = seen["args"]
+    assert (str(folder), tp, host, port, key, name, log_level) == (model, 2, "0.0.0.0", 0, "k", "m", "warning")
+    assert seen["kwargs"] == dict(dtype="bfloat16", max_model_len=128, max_num_seqs=8, gpu_memory_utilization=0.5,
+                                  enforce_eager=True, seed=7, nnodes=1, master_addr="127.0.0.1", master_port=0)
+    # vLLM's defaults; the model as --model, or given twice alike; --dtype auto is the checkpoint's
+    assert main(["serve", "--model", model, "--tensor-parallel-size", "1"]) == 0
+    assert seen["args"][:2] == (DEFAULT_MODEL, 1) and seen["args"][5] == model
+    assert seen["kwargs"] == dict(dtype=None, max_model_len=None, max_num_seqs=256, gpu_memory_utilization=0.9,
+                                  enforce_eager=False, seed=0, nnodes=1, master_addr="127.0.0.1", master_port=0)
+    assert main(["serve", model, "--model", model, "--tp", "2"]) == 0
+    assert seen["args"][:2] == (DEFAULT_MODEL, 2)
+
+
+@pytest.fixture(scope="module")
+def chat_ckpt(tmp_path_factory):
+    return make_chat_checkpoint(tmp_path_factory.mktemp("chat"))
+
+
+def test_serve_model_tp_2_serves(chat_ckpt):
+    "`minivllm serve MODEL -tp 2`, as a vLLM user types it: the model named as given, two ranks, a completion."
+    with ServerProcess(str(chat_ckpt), "-tp", "2", "--max-model-len", "256", "--seed", "1") as server:
+        assert len(rank_processes(server.proc.pid)) == 1  # rank 1; rank 0 is the server itself
+        assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == [str(chat_ckpt)]
+        r = httpx.post(server.url + "/v1/completions", timeout=120,
+                       json={"model": str(chat_ckpt), "prompt": "ROMEO.", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+
+
+# --- the text as it comes, on a terminal -------------------------------------------------------------------------------
+
+def test_generate_streams_on_a_terminal_what_it_prints_into_a_pipe(capsys, hub_env):
+    argv = ["generate", "ROMEO.", "JULIET.", "--max-tokens", "8", "--temperature", "0", "--quiet"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    main_fd, terminal = pty.openpty()
+    child = subprocess.Popen([sys.executable, "-m", "minivllm", *argv], stdout=terminal, stderr=subprocess.PIPE,
+                             env=hub_env)
+    os.close(terminal)
+    screen = b""
+    while True:
+        try:
+            chunk = os.read(main_fd, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        screen += chunk
+    os.close(main_fd)
+    assert child.wait(timeout=120) == 0, child.stderr.read()
+    assert child.stderr.read() == b""
+    assert screen.decode().replace("\r\n", "\n") == printed
 
 
 # --- Ctrl-C and --quiet ------------------------------------------------------------------------------------------------
