@@ -1,11 +1,18 @@
 """What serving added to sampling, against plain references at TP=1 and 2: logprobs are the model's log-softmax
-(transformers'), penalties pick what a penalised argmax over transformers' logits picks, n samples share the
+(transformers'), penalties pick what a penalised argmax over transformers' logits picks, min-p draws what the seeded
+race draws from transformers' min-p distribution, min_tokens holds EOS and stop tokens back, n samples share the
 prompt's blocks and are reproducible, stream deltas add up to generate, stop strings cut the text."""
+import json
+import shutil
+
 import pytest
 import torch
 import transformers
+from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                   TemperatureLogitsWarper)
 
 from minivllm import LLM, SamplingParams
+from minivllm.layers.common import exponential_noise
 from minivllm.testing import make_chat_checkpoint, make_tiny_checkpoint
 
 PROMPTS = [[5, 9, 2, 7, 1], [3] * 21, [8, 6, 4, 2, 250, 17, 33, 12, 90]]
@@ -67,6 +74,96 @@ def test_penalties_pick_the_penalised_argmax(tiny, hf, tp):
     assert len(set(outs[1].token_ids)) > 3  # the penalties really steered it off repeats
 
 
+@torch.no_grad()
+def hf_next_logits(hf, ids: list[int]) -> torch.Tensor:
+    "transformers' logits `[1, V]` for the token after `ids`."
+    return hf(torch.tensor([ids])).logits[:, -1].float()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_repetition_penalty_picks_transformers_penalised_argmax(tiny, hf, tp):
+    penalty, n = 1.8, 12
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, repetition_penalty=penalty)
+    with LLM(tiny, tensor_parallel_size=tp, max_model_len=128) as llm:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        plain = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    processor = RepetitionPenaltyLogitsProcessor(penalty)  # vLLM's definition: over the prompt and the output
+    for prompt, out in zip(PROMPTS, outs):
+        ids = list(prompt)
+        for _ in range(n):
+            ids.append(int(processor(torch.tensor([ids]), hf_next_logits(hf, ids)).argmax()))
+        assert out.token_ids == ids[len(prompt):]
+    assert [o.token_ids for o in outs] != [o.token_ids for o in plain]  # the penalty really changed the tokens
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_min_p_draws_from_transformers_min_p_distribution(tiny, hf, tp):
+    "Seeded: each token is argmax(p / E) for the request's own Exp(1) noise E and p transformers' min-p distribution."
+    temperature, min_p, n = 1.5, 0.2, 10
+    params = [SamplingParams(temperature=temperature, min_p=min_p, seed=i, max_tokens=n, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    with LLM(tiny, tensor_parallel_size=tp, max_model_len=128) as llm:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        unfiltered = llm.generate(PROMPTS, [SamplingParams(temperature=temperature, seed=i, max_tokens=n,
+                                                           ignore_eos=True) for i in range(len(PROMPTS))],
+                                  use_tqdm=False)
+    warp_t, warp_p = TemperatureLogitsWarper(temperature), MinPLogitsWarper(min_p)  # vLLM's order: t, then min-p
+    for seed, (prompt, out) in enumerate(zip(PROMPTS, outs)):
+        ids = list(prompt)
+        for step in range(n):
+            probs = warp_p(None, warp_t(None, hf_next_logits(hf, ids))).softmax(-1)[0]
+            noise = exponential_noise(1, probs.numel(), [seed], [step])[0]
+            ids.append(int((probs / noise).argmax()))
+            assert probs[ids[-1]] >= min_p * probs.max()
+        assert out.token_ids == ids[len(prompt):]
+    assert [o.token_ids for o in outs] != [o.token_ids for o in unfiltered]  # min-p really cut some draws
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_min_tokens_holds_eos_and_stop_tokens_back(tiny, hf, tp, tmp_path):
+    n, m = 12, 5
+    greedy = []  # transformers' greedy continuations, to pick an EOS and a stop token the model wants early
+    for prompt in PROMPTS:
+        ids = list(prompt)
+        for _ in range(3):
+            ids.append(int(hf_next_logits(hf, ids).argmax()))
+        greedy.append(ids[len(prompt):])
+    eos, stop = greedy[0][0], greedy[1][1]
+    ckpt = shutil.copytree(tiny, tmp_path / "eos")  # the same weights, with that EOS
+    config = json.loads((ckpt / "config.json").read_text()) | {"eos_token_id": eos}
+    (ckpt / "config.json").write_text(json.dumps(config))
+
+    def reference(prompt, min_tokens, ignore_eos):
+        "Greedy over transformers' logits, EOS and the stop token masked while fewer than min_tokens came before."
+        ids, made = list(prompt), []
+        while len(made) < n:
+            logits = hf_next_logits(hf, ids)[0]
+            if len(made) < min_tokens:
+                logits[[eos, stop]] = float("-inf")
+            made.append(int(logits.argmax())); ids.append(made[-1])
+            if made[-1] == stop or (made[-1] == eos and not ignore_eos):
+                break
+        return made
+
+    with LLM(ckpt, tensor_parallel_size=tp, max_model_len=128) as llm:
+        for ignore_eos in (False, True):
+            params = SamplingParams(temperature=0, max_tokens=n, min_tokens=m, stop_token_ids=[stop],
+                                    ignore_eos=ignore_eos)
+            outs = llm.generate(PROMPTS, params, use_tqdm=False)
+            for prompt, out in zip(PROMPTS, outs):
+                assert out.token_ids == reference(prompt, m, ignore_eos)
+                assert eos not in out.token_ids[:m] and stop not in out.token_ids[:m]
+        plain = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=n, stop_token_ids=[stop]),
+                             use_tqdm=False)
+        assert (plain[0].token_ids, plain[0].finish_reason) == ([eos], "stop")  # without min_tokens: EOS at once
+        sampled = llm.generate(PROMPTS * 4, [SamplingParams(temperature=1.0, seed=i, max_tokens=n, min_tokens=m,
+                                                            stop_token_ids=[stop]) for i in range(12)],
+                               use_tqdm=False)
+    for out in sampled:  # sampled too: EOS and the stop token no earlier than min_tokens
+        assert len(out.token_ids) > m or out.finish_reason == "length"
+        assert eos not in out.token_ids[:m] and stop not in out.token_ids[:m]
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_n_samples_share_the_prompt_blocks_and_are_reproducible(tiny, tp):
     prompt = list(range(1, 41))  # 2 full blocks of 16, and 8 tokens more
@@ -102,8 +199,8 @@ def test_stream_deltas_add_up_to_generate_and_stop_strings_cut(chat_ckpt, tp):
         assert ids == {(i, c.index): c.token_ids for i, o in enumerate(whole) for c in o.outputs}
         first = whole[0].text
         stop = first[len(first) // 2:len(first) // 2 + 3]
-        cut = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]),
-                           use_tqdm=False)
+        cut = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]),
+                           use_tqdm=False)[0]
         assert (cut.text, cut.finish_reason) == (first[:first.index(stop)], "stop")
         assert not llm.scheduler.running and llm.scheduler.block_manager.num_free_blocks == \
                llm.scheduler.block_manager.num_blocks

@@ -25,7 +25,7 @@ from .multinode import STALE_S, NodeLayout, node_label, prove_membership
 from .wire import ClusterKey
 from .scheduler import ScheduledBatch, Scheduler, context_lengths, token_positions
 from ..kv_cache import allocate_kv_cache, cpu_decode_kernel, decode_metadata, kv_cache_bytes_per_block, prefill_metadata
-from ..layers.common import GREEDY_TEMPERATURE, Sampler, apply_penalties, token_logprobs
+from ..layers.common import GREEDY_TEMPERATURE, Sampler, apply_penalties, mask_tokens, token_logprobs
 from ..models import build_model, load_checkpoint
 
 # %% auto #0
@@ -111,8 +111,10 @@ class StepInputs:
     @classmethod
     def from_batch(cls, batch: ScheduledBatch, num_threads: int | None = None) -> StepInputs:
         "The inputs of a scheduled batch (read before `Scheduler.postprocess` changes its sequences)."
+        # subtle: a request short of its min_tokens is greedy over logits whose EOS and stop tokens are masked out,
+        # which the LM head's argmax of every rank's shard cannot do
         greedy = all(s.sampling_params.temperature < GREEDY_TEMPERATURE and not s.sampling_params.needs_logits
-                     for s in batch.seqs)
+                     and s.num_completion_tokens >= s.sampling_params.min_tokens for s in batch.seqs)
         return cls(batch.is_prefill, batch.input_ids, list(batch.num_computed_tokens), list(batch.num_new_tokens),
                    [list(t) for t in batch.block_tables], greedy, num_threads)
 
@@ -150,24 +152,44 @@ class SamplingInputs:
     top_ps: list[float]
     seeds: list[int | None]
     steps: list[int]
-    presence_penalties: list[float] | None = None  # None: no sequence of the step has penalties
+    presence_penalties: list[float] | None = None  # None: no sequence of the step has these penalties
     frequency_penalties: list[float] | None = None
     output_token_ids: list[list[int]] | None = None  # the tokens generated so far, which the penalties count
     num_logprobs: list[int | None] | None = None  # None: no sequence asks for logprobs
+    min_ps: list[float] | None = None  # None: no sequence uses min-p
+    repetition_penalties: list[float] | None = None  # None: no sequence has a repetition penalty
+    prompt_token_ids: list[list[int]] | None = None  # the prompts, which the repetition penalty counts too
+    masked_token_ids: list[list[int]] | None = None  # per sequence: EOS and stop tokens it may not sample yet (min_tokens)
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> SamplingInputs:
-        "The sampling settings of a scheduled batch's sequences."
+        "The sampling settings of a scheduled batch's sequences; what no sequence uses stays None, and costs nothing."
         params = [s.sampling_params for s in batch.seqs]
         inputs = cls([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
                      [p.seed for p in params], [s.num_completion_tokens for s in batch.seqs])
         if any(p.presence_penalty or p.frequency_penalty for p in params):
             inputs.presence_penalties = [p.presence_penalty for p in params]
             inputs.frequency_penalties = [p.frequency_penalty for p in params]
+        if any(p.repetition_penalty != 1 for p in params):
+            inputs.repetition_penalties = [p.repetition_penalty for p in params]
+            inputs.prompt_token_ids = [s.prompt_token_ids for s in batch.seqs]
+        if inputs.presence_penalties is not None or inputs.repetition_penalties is not None:
             inputs.output_token_ids = [s.completion_token_ids for s in batch.seqs]
+        if any(p.min_p > 0 for p in params):
+            inputs.min_ps = [p.min_p for p in params]
+        inputs.masked_token_ids = batch.masked_token_ids
         if any(p.logprobs is not None for p in params):
             inputs.num_logprobs = [p.logprobs for p in params]
         return inputs
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        "The logits after the settings that change even greedy's choice: min_tokens' mask, then the penalties (vLLM's order)."
+        if self.masked_token_ids is not None:
+            logits = mask_tokens(logits, self.masked_token_ids)
+        if self.output_token_ids is not None:
+            logits = apply_penalties(logits, self.output_token_ids, self.presence_penalties, self.frequency_penalties,
+                                     self.repetition_penalties, self.prompt_token_ids)
+        return logits
 
 class StepOutput(NamedTuple):
     "What rank 0 returns from a step: one sampled token per sequence, and the logprobs of those that asked."
@@ -450,9 +472,7 @@ def run(self: ModelRunner, step: StepInputs, sampling: SamplingInputs | None = N
     if self.rank != 0:
         return None
     s, raw = sampling, logits
-    if s.presence_penalties is not None:
-        logits = apply_penalties(logits, s.output_token_ids, s.presence_penalties, s.frequency_penalties)
-    tokens = self.sampler(logits, s.temperatures, s.top_ks, s.top_ps, s.seeds, s.steps, self.generator)
+    tokens = self.sampler(s.apply(logits), s.temperatures, s.top_ks, s.top_ps, s.seeds, s.steps, self.generator, s.min_ps)
     logprobs = token_logprobs(raw, tokens, s.num_logprobs) if s.num_logprobs is not None else None
     return StepOutput(tokens.tolist(), logprobs)
 
