@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 from .async_llm import AsyncLLM
 from .distributed import listen_socket
 from .engine.scheduler import SamplingParams
-from .llm import LLM, CompletionOutput, RequestOutput, _load_tokenizer, logger
+from .llm import CompletionOutput, RequestOutput, _load_tokenizer, logger
 from fastcore.basics import patch
 
 # %% auto #0
@@ -236,7 +236,7 @@ class PromptEncoder:
     def chat_prompt(self, messages: list[dict]) -> str:
         "A conversation's prompt text by the model's chat template; `ValueError` if it has none."
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"{self.model_name} has no chat template: use /v1/completions with plain prompts")
+            raise ValueError(f"model {self.model_name!r} has no chat template: use /v1/completions with plain prompts")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     async def encode_chat(self, messages: list[dict]) -> tuple[str, list[int]]:
@@ -449,9 +449,9 @@ class OpenAIServer:
     def __init__(self, engine: AsyncLLM, model_name: str, tokenizer=None):
         # tokenizer: the server's own copy (default: loaded from the engine's checkpoint); the engine's is its thread's
         self.engine, self.model_name = engine, model_name
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(Path(engine.llm.args.model))
-        self.max_model_len = engine.llm.args.max_model_len
-        self.max_n = min(MAX_N, engine.llm.args.max_num_seqs)
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(Path(engine.args.model))
+        self.max_model_len = engine.args.max_model_len
+        self.max_n = min(MAX_N, engine.args.max_num_seqs)
         self.metrics, self.logprob_format = ServerMetrics(engine), LogprobFormat(self.tokenizer)
         self.encoder = PromptEncoder(self.tokenizer, self.max_model_len, model_name)
 
@@ -465,7 +465,7 @@ class OpenAIServer:
                                   "server_error")
         if body.n > self.max_n:
             return error_response(400, f"n must be at most {self.max_n} here (at most {MAX_N} completions per prompt, "
-                                  f"and no more than the engine's max_num_seqs = {self.engine.llm.args.max_num_seqs}), "
+                                  f"and no more than the engine's max_num_seqs = {self.engine.args.max_num_seqs}), "
                                   f"got {body.n}: lower n, or send the prompt several times", param="n")
         return None
 
@@ -638,14 +638,22 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(0)
 
 class _Server(uvicorn.Server):
-    "uvicorn's server that also stops the engine when a signal stops it, so that open streams end at once, not cut."
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLM):
+    "uvicorn's server that stops the engine when a signal stops it, and stops itself a moment after the engine dies."
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, grace_s: float = 1.0):
         super().__init__(config)
-        self.engine = engine
+        self.engine, self.grace_s, self.engine_died_at = engine, grace_s, None
 
     def handle_exit(self, sig, frame) -> None:
         self.engine.stop()  # subtle: non-blocking (a signal handler); the streams get an error event and [DONE]
         super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        "Every tenth of a second: once the engine has died, answer 503 for `grace_s` (streams end), then exit."
+        if self.engine.error is not None and self.engine_died_at is None:
+            self.engine_died_at = time.monotonic()
+        if self.engine_died_at is not None and time.monotonic() - self.engine_died_at > self.grace_s:
+            self.should_exit = True
+        return await super().on_tick(counter)
 
 def bind_socket(host: str, port: int) -> socket.socket:
     "A listening TCP socket on `host:port` (port 0: a free one; notebook 01's rule); `OSError` names the address if it is taken."
@@ -658,19 +666,21 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def serve(model: str | Path | None = None, tensor_parallel_size: int = 1, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, served_model_name: str | None = None, log_level: str = "warning",
           max_request_bytes: int = MAX_REQUEST_BYTES, **engine_kwargs) -> None:
-    "Serve a model over OpenAI's API until SIGINT or SIGTERM, then close the engine (workers ended, shared memory freed)."
+    "Serve a model over OpenAI's API until SIGINT or SIGTERM, then close the engine (workers ended, shared memory freed); `SystemExit(1)` if the engine dies."
     check_max_request_bytes(max_request_bytes)
     sock, engine, previous = bind_socket(host, port), None, signal.getsignal(signal.SIGTERM)
     try:
-        llm = LLM(model, tensor_parallel_size, **engine_kwargs)
-        engine = AsyncLLM(llm)
+        engine = AsyncLLM(model, tensor_parallel_size, **engine_kwargs)  # the engine core, in its own process
         name = served_model_name or (str(model) if model is not None else "minivllm-default")
-        app = build_app(engine, name, api_key, _load_tokenizer(Path(llm.args.model)), max_request_bytes)
+        app = build_app(engine, name, api_key, None, max_request_bytes)
         server = _Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3), engine)
         shown = f"[{host}]" if ":" in host else host
         logger.info(f"serving {name!r} at http://{shown}:{sock.getsockname()[1]}/v1 (Ctrl-C or SIGTERM stops it)")
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
         server.run(sockets=[sock])
+        if engine.error is not None:  # subtle: exit non-zero, so that a supervisor (systemd, Kubernetes) restarts us
+            logger.error("the server exits with status 1, since its engine has stopped")
+            raise SystemExit(1)
     finally:
         signal.signal(signal.SIGTERM, previous)
         if engine is not None:
