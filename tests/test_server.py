@@ -28,6 +28,7 @@ def tp2(chat_ckpt):
     "A TP=2 server of the tiny chat checkpoint, as 'tiny', behind an API key."
     with ServerProcess("--model", str(chat_ckpt), "--tp", "2", "--max-model-len", "256", "--api-key", KEY,
                        "--served-model-name", "tiny") as server:
+        server.model = chat_ckpt
         yield server
 
 
@@ -126,6 +127,10 @@ def test_64_streaming_clients_at_once_each_get_the_greedy_text(tp2):
     expected, got = asyncio.run(run())
     assert [text for text, _ in got] == expected
     assert all(n == 24 for _, n in got)
+    with LLM(tp2.model, max_model_len=256) as llm:  # offline, at TP=1, in this process
+        offline = [o.text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                                                use_tqdm=False)]
+    assert expected == offline
     m = metrics(tp2)
     assert m["minivllm_batch_size_peak"] > 1 and m["minivllm_kv_cache_blocks_used"] == 0
 
@@ -286,13 +291,20 @@ def test_the_packaged_model_serves_completions_and_refuses_chat_clearly():
         assert c.completions.create(model=name, prompt="JULIET.\n", max_tokens=3).usage.completion_tokens >= 1
 
 
+def engine_processes(server_pid: int) -> tuple[int, list[int]]:
+    "The server's engine-core process and the core's worker ranks."
+    cores = rank_processes(server_pid)
+    assert len(cores) == 1, cores
+    return cores[0], rank_processes(cores[0])
+
+
 @pytest.mark.parametrize("how, status", [("SIGTERM", 0), ("Ctrl-C", 130)])
 def test_a_signal_mid_stream_ends_the_stream_stops_the_server_and_leaves_nothing(chat_ckpt, how, status):
     server = ServerProcess("--model", str(chat_ckpt), "--tp", "2", "--max-model-len", "256")
     pid = server.proc.pid
     try:
-        ranks = rank_processes(pid)
-        assert len(ranks) == 1 and shm_segments(pid)
+        core, ranks = engine_processes(pid)
+        assert len(ranks) == 1 and shm_segments(core)
         with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                           json={"model": str(chat_ckpt), "prompt": "Go on", "max_tokens": 200, "stream": True,
                                 "ignore_eos": True}) as r:
@@ -300,11 +312,61 @@ def test_a_signal_mid_stream_ends_the_stream_stops_the_server_and_leaves_nothing
             assert next(lines).startswith("data: ")
             if how == "SIGTERM":
                 server.proc.send_signal(signal.SIGTERM)
-            else:  # a terminal's Ctrl-C reaches the whole process group: the server and its worker
+            else:  # a terminal's Ctrl-C reaches the whole process group: the server, its engine core and its worker
                 os.killpg(pid, signal.SIGINT)
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]" and "the engine has shut down" in rest[-2]  # ended, not cut
         assert server.proc.wait(60) == status
     finally:
         server.stop(signal.SIGKILL)
-    assert gone(pid) and all(gone(r) for r in ranks) and not shm_segments(pid), "".join(server.log)
+    assert gone(pid) and gone(core) and all(gone(r) for r in ranks), "".join(server.log)
+    assert not shm_segments(pid) and not shm_segments(core), "".join(server.log)
+
+
+def test_an_engine_core_killed_mid_stream_ends_the_streams_and_the_server_exits_non_zero(chat_ckpt):
+    server = ServerProcess("--model", str(chat_ckpt), "--tp", "2", "--max-model-len", "256")
+    pid = server.proc.pid
+    try:
+        core, ranks = engine_processes(pid)
+        body = {"model": str(chat_ckpt), "prompt": "Go on", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(core, signal.SIGKILL)
+            killed = time.monotonic()
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and "engine-core process died" in rest[-2], rest[-3:]  # ended, not cut
+        try:  # for a moment, new requests hear why (then the server is gone)
+            late = httpx.post(server.url + "/v1/completions", json=body | {"stream": False}, timeout=10)
+            assert late.status_code == 503 and "the engine has stopped" in late.json()["error"]["message"]
+        except httpx.TransportError:
+            pass
+        assert server.proc.wait(30) == 1  # non-zero: a supervisor restarts it
+        assert time.monotonic() - killed < 15
+    finally:
+        server.stop(signal.SIGKILL)
+    assert wait_until(lambda: all(gone(r) for r in ranks), 10), "".join(server.log)
+    assert gone(pid) and not shm_segments(pid) and not shm_segments(core), "".join(server.log)
+    assert "the server exits with status 1" in "".join(server.log)
+
+
+def test_64_streams_at_tp1_equal_the_offline_greedy_text(chat_ckpt):
+    prompts = [f"Reader {i} asks" for i in range(64)]
+    body = {"model": "tiny", "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    async def streamed(http, prompt):
+        async with http.stream("POST", "/v1/completions", json=body | {"prompt": prompt}) as r:
+            lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        return "".join(ch["text"] for line in lines[:-1] for ch in json.loads(line[len("data: "):])["choices"])
+
+    async def run(url):
+        async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=100)) as http:
+            return await asyncio.gather(*(streamed(http, p) for p in prompts))
+
+    with ServerProcess("--model", str(chat_ckpt), "--max-model-len", "256", "--served-model-name", "tiny") as server:
+        got = asyncio.run(run(server.url))
+    with LLM(chat_ckpt, max_model_len=256) as llm:
+        offline = [o.text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                                                use_tqdm=False)]
+    assert got == offline
