@@ -174,7 +174,7 @@ def test_the_cli_imports_no_torch_until_a_command_runs(hub_env):
 
 
 def test_help_answers_at_once(hub_env):
-    "A loose guard (under 2 s, the best of three, on a busy machine); with torch imported it took about 2 to 4 s."
+    "A loose guard against importing torch before parsing: under 2 s, the best of three runs, on a busy machine too."
     def seconds() -> float:
         start = time.perf_counter()
         child = subprocess.run([sys.executable, "-m", "minivllm", "--help"], capture_output=True, text=True,
