@@ -77,6 +77,30 @@ static inline void store_part(float* p, v16 v, int64_t n) {
   if (n == 16) return store(p, v);
   for (int64_t i = 0; i < n; ++i) p[i] = v[i];
 }
+// bfloat16 is the upper half of a float32: widening is a shift by 16 bits; narrowing rounds to nearest even, as torch
+typedef uint16_t vu16 __attribute__((vector_size(32)));
+typedef uint32_t vu32 __attribute__((vector_size(64)));
+static inline v16 load(const at::BFloat16* p) {
+  vu16 h; std::memcpy(&h, p, sizeof h);
+  vu32 bits = __builtin_convertvector(h, vu32) << 16;
+  v16 v; std::memcpy(&v, &bits, sizeof v); return v;
+}
+static inline v16 load_part(const at::BFloat16* p, int64_t n) {
+  if (n == 16) return load(p);
+  v16 v = {};
+  for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+static inline void store(at::BFloat16* p, v16 v) {
+  vu32 bits; std::memcpy(&bits, &v, sizeof bits);
+  vu32 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  rounded = (bits & 0x7fffffffu) > 0x7f800000u ? (vu32){} + 0x7fc0u : rounded;  // NaN stays NaN
+  vu16 h = __builtin_convertvector(rounded, vu16); std::memcpy(p, &h, sizeof h);
+}
+static inline void store_part(at::BFloat16* p, v16 v, int64_t n) {
+  if (n == 16) return store(p, v);
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<at::BFloat16>(v[i]);
+}
 static inline float hsum(v16 v) {
   typedef float v8 __attribute__((vector_size(32)));
   typedef float v4 __attribute__((vector_size(16)));

@@ -33,11 +33,11 @@ except ImportError:
     HAS_FLASH_ATTN = False
 
 # %% auto #0
-__all__ = ['TRITON_RUNS_ON_CPU', 'DECODE_GROUP_SIZE', 'CPU_KERNEL_SOURCE', 'allocate_kv_cache', 'kv_cache_bytes_per_block',
-           'slot_mapping', 'store_kvcache_torch', 'store_kvcache_triton', 'store_kvcache', 'AttentionMetadata',
-           'prefill_metadata', 'decode_metadata', 'length_groups', 'attention_reference', 'causal_mask',
-           'attention_sdpa', 'gather_kv', 'decode_attention', 'paged_attention_torch', 'cpu_decode_kernel',
-           'paged_decode_attention_cpu', 'paged_attention_flash', 'attention_backend', 'Attention']
+__all__ = ['TRITON_RUNS_ON_CPU', 'DECODE_GROUP_SIZE', 'CPU_KERNEL_SOURCE', 'CPU_DECODE_DTYPES', 'allocate_kv_cache',
+           'kv_cache_bytes_per_block', 'slot_mapping', 'store_kvcache_torch', 'store_kvcache_triton', 'store_kvcache',
+           'AttentionMetadata', 'prefill_metadata', 'decode_metadata', 'length_groups', 'attention_reference',
+           'causal_mask', 'attention_sdpa', 'gather_kv', 'decode_attention', 'paged_attention_torch',
+           'cpu_decode_kernel', 'paged_decode_attention_cpu', 'paged_attention_flash', 'attention_backend', 'Attention']
 
 # %% ../nbs/06_kv_cache.ipynb #6a3455bc
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -282,19 +282,20 @@ def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
 
 # %% ../nbs/06_kv_cache.ipynb #c908749c
 CPU_KERNEL_SOURCE = CPU_VECTOR_HELPERS + r"""
-// One sequence's decode attention, every head: D = 16 * DC (DCT = DC when known when compiling, 0 when not)
-template <int DCT>
-static void attend_one(const float* q, const float* kp, const float* vp, const int32_t* table, int64_t n, int64_t bs,
+// One sequence's decode attention, every head: D = 16 * DC (DCT = DC when known when compiling, 0 when not); the
+// caches hold T (float or bfloat16), the math is float32's
+template <int DCT, typename T>
+static void attend_one(const float* q, const T* kp, const T* vp, const int32_t* table, int64_t n, int64_t bs,
                        int64_t H, int64_t KVH, int64_t D, float scale, float* out, std::vector<float>& buf) {
   const int64_t DC = DCT ? DCT : (D + 15) / 16, last = D - 16 * (DC - 1);  // chunks per head; lanes of the last
-  const int64_t G = H / KVH, row = KVH * D, np = (n + 15) / 16 * 16, bytes = bs * row * 4;
+  const int64_t G = H / KVH, row = KVH * D, np = (n + 15) / 16 * 16, bytes = bs * row * sizeof(T);
   buf.resize(H * DC * 16 + H * np);
   float* acc = buf.data();                // [H, DC * 16]: the scaled queries, then the weighted sum of values
   float* sc = buf.data() + H * DC * 16;   // [H, np]: scores, then softmax numerators
   auto lanes = [&](int64_t c) { return c == DC - 1 ? last : 16; };
   // token t's row of a cache (all its KV heads); at a block's first token, ask for the next block while this one
   // is read: the blocks of a sequence lie anywhere in the cache, where the hardware's prefetcher cannot guess them
-  auto row_of = [&](const float* cache, int64_t t) {
+  auto row_of = [&](const T* cache, int64_t t) {
     if (t % bs == 0 && t + bs < n)
       for (int64_t off = 0; off < bytes; off += 64)
         __builtin_prefetch(reinterpret_cast<const char*>(cache + std::max(table[t / bs + 1], 0) * bs * row) + off);
@@ -304,7 +305,7 @@ static void attend_one(const float* q, const float* kp, const float* vp, const i
     for (int64_t c = 0; c < DC; ++c) store(acc + (h * DC + c) * 16, load_part(q + h * D + 16 * c, lanes(c)) * scale);
   // 1. scores: one pass over the keys; a token's keys for all KV heads are one contiguous row
   for (int64_t t = 0; t < n; ++t) {
-    const float* krow = row_of(kp, t);
+    const T* krow = row_of(kp, t);
     for (int64_t g = 0; g < KVH; ++g) {
       v16 k[DCT ? DCT : 16];
       for (int64_t c = 0; c < DC; ++c) k[c] = load_part(krow + g * D + 16 * c, lanes(c));
@@ -335,7 +336,7 @@ static void attend_one(const float* q, const float* kp, const float* vp, const i
   // 3. values: one pass, every head's weighted sum
   std::fill(acc, acc + H * DC * 16, 0.f);
   for (int64_t t = 0; t < n; ++t) {
-    const float* vrow = row_of(vp, t);
+    const T* vrow = row_of(vp, t);
     for (int64_t g = 0; g < KVH; ++g) {
       v16 v[DCT ? DCT : 16];
       for (int64_t c = 0; c < DC; ++c) v[c] = load_part(vrow + g * D + 16 * c, lanes(c));
@@ -349,6 +350,15 @@ static void attend_one(const float* q, const float* kp, const float* vp, const i
     for (int64_t c = 0; c < DC; ++c) store_part(out + h * D + 16 * c, load(acc + (h * DC + c) * 16) * inv_sum[h], lanes(c));
 }
 
+// the head sizes of most models with their chunk count known when compiling (the loops unrolled), any other at run time
+template <typename T>
+static void attend_dc(const float* q, const T* kp, const T* vp, const int32_t* table, int64_t n, int64_t bs, int64_t H,
+                      int64_t KVH, int64_t D, float scale, float* out, std::vector<float>& buf) {
+  if (D == 64) attend_one<4>(q, kp, vp, table, n, bs, H, KVH, D, scale, out, buf);
+  else if (D == 128) attend_one<8>(q, kp, vp, table, n, bs, H, KVH, D, scale, out, buf);
+  else attend_one<0>(q, kp, vp, table, n, bs, H, KVH, D, scale, out, buf);
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables_, const at::Tensor& context_lens_, double scale) {
   // every shape the kernel's pointer arithmetic relies on, checked: a mismatch is an error, never a stray read
@@ -359,11 +369,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cach
   TORCH_CHECK(q_.size(2) > 0 && q_.size(2) <= 256, "head size ", q_.size(2), " is not in 1..256");
   TORCH_CHECK(block_tables_.dim() == 2 && block_tables_.size(0) == q_.size(0) && context_lens_.dim() == 1 &&
               context_lens_.size(0) == q_.size(0), "one block table row and one context length per query");
-  TORCH_CHECK(q_.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "paged_decode_attention computes in float32 only");
+  const auto dtype = q_.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k_cache.scalar_type() == dtype &&
+              v_cache.scalar_type() == dtype, "paged_decode_attention takes float32 or bfloat16, q and caches alike");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(block_tables_.scalar_type() == at::kInt && context_lens_.scalar_type() == at::kInt, "int32 tables and lengths");
-  auto q = q_.contiguous(), block_tables = block_tables_.contiguous(), context_lens = context_lens_.contiguous();
+  // bfloat16: the queries widened once (a few numbers per sequence), the output rounded once at the end
+  auto q = q_.to(at::kFloat).contiguous(), block_tables = block_tables_.contiguous(), context_lens = context_lens_.contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), bs = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t max_blocks = block_tables.size(1), num_blocks = k_cache.size(0);
   const int32_t* bt = block_tables.data_ptr<int32_t>();
@@ -375,8 +387,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cach
                   bt[b * max_blocks + j], " is not in the cache's ", num_blocks, " blocks");
   }
   auto out = at::empty_like(q);
-  const float* qp = q.data_ptr<float>(); const float* kp = k_cache.data_ptr<float>(); const float* vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const float* qp = q.data_ptr<float>(); float* op = out.data_ptr<float>();
   // the threads' shares: longest sequence first, each to the thread with the fewest tokens so far
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B));
   std::vector<int64_t> order(B);
@@ -395,12 +406,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cach
         float* o = op + b * H * D;
         if (cl[b] == 0) { std::fill(o, o + H * D, 0.f); continue; }  // a padding row (CUDA-graph style): zeros
         const float* qb = qp + b * H * D; const int32_t* table = bt + b * max_blocks;
-        if (D == 64) attend_one<4>(qb, kp, vp, table, cl[b], bs, H, KVH, D, scale, o, buf);
-        else if (D == 128) attend_one<8>(qb, kp, vp, table, cl[b], bs, H, KVH, D, scale, o, buf);
-        else attend_one<0>(qb, kp, vp, table, cl[b], bs, H, KVH, D, scale, o, buf);
+        if (dtype == at::kBFloat16) attend_dc(qb, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+                                              table, cl[b], bs, H, KVH, D, scale, o, buf);
+        else attend_dc(qb, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table, cl[b], bs, H, KVH, D, scale, o, buf);
       }
   });
-  return out;
+  return out.to(dtype);
 }
 
 TORCH_LIBRARY(minivllm_cpu, m) {
@@ -416,7 +427,7 @@ def cpu_decode_kernel():
 
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-    "Decode attention `[B, H, D]` by the C++ kernel, reading the paged cache in place (float32, CPU)."
+    "Decode attention `[B, H, D]` by the C++ kernel, reading the paged cache in place (float32 or bfloat16, CPU)."
     return cpu_decode_kernel()(q, k_cache, v_cache, metadata.block_tables, metadata.context_lens, scale)
 
 # %% ../nbs/06_kv_cache.ipynb #f6c65ba6
@@ -433,12 +444,15 @@ def paged_attention_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=md.context_lens,
                                    block_table=md.block_tables, softmax_scale=scale, causal=True).squeeze(1)
 
+CPU_DECODE_DTYPES = (torch.float32, torch.bfloat16)  # what the CPU decode kernel reads; float32 math for both
+
 def attention_backend(q: torch.Tensor, k_cache: torch.Tensor | None, metadata: AttentionMetadata) -> str:
     "`'flash'`, `'cpu'` or `'sdpa'`: the fastest implementation that can run this call (`'torch'` is the reference)."
     if not q.is_cuda:
-        # subtle: SDPA is what transformers runs too, so 16-bit models round as it does and give its tokens;
+        # subtle: prefill runs SDPA, as transformers does; decode runs the kernel, float32 math on float32 or bfloat16
+        # caches with one rounding of its output (close to SDPA's bfloat16, not its bits; float16 keeps SDPA).
         # `attention_reference` stays the readable definition that the tests check both against.
-        if (not metadata.is_prefill and q.dtype == torch.float32 and q.shape[-1] <= 256
+        if (not metadata.is_prefill and q.dtype in CPU_DECODE_DTYPES and q.shape[-1] <= 256
                 and cpu_decode_kernel() is not None):
             return "cpu"
         return "sdpa"
@@ -479,7 +493,7 @@ class Attention(nn.Module):
         backend = self.backend or attention_backend(q, k_cache, metadata)
         if backend == "flash":
             out = paged_attention_flash(q, k, v, k_cache, v_cache, metadata, self.scale)
-        elif backend == "cpu" and not metadata.is_prefill and q.dtype == torch.float32:  # else SDPA, as 'sdpa'
+        elif backend == "cpu" and not metadata.is_prefill and q.dtype in CPU_DECODE_DTYPES:  # else SDPA, as 'sdpa'
             out = paged_decode_attention_cpu(q, k_cache, v_cache, metadata, self.scale)
         else:
             attend = attention_reference if backend == "torch" else attention_sdpa

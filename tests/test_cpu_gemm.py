@@ -137,7 +137,7 @@ def test_setting_from_the_environment(monkeypatch):
 
 
 def test_forced_kernel_this_torch_lacks(monkeypatch):
-    monkeypatch.setattr(linear, "gemm_kernels", lambda: ["torch"])
+    monkeypatch.setattr(linear, "gemm_kernels", lambda dtype=torch.float32: ["torch"])
     with pytest.raises(RuntimeError, match="'onednn' is forced .* this torch has only \\['torch'\\]"):
         choose_gemm(rand(4, 8), "onednn")
 
@@ -172,9 +172,12 @@ def test_another_machine_or_stack_measures_again(monkeypatch, change):
     elif change == "threads":
         monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
     else:
-        W = W.double()
-    measure = CountingMeasure(KERNELS[-1])
-    assert choose_gemm(W, measure=measure) == KERNELS[-1]  # not the first machine's answer
+        W = W.bfloat16()  # a real checkpoint's dtype, timed on its own candidates (MKL's packed GEMM is float32's)
+    kernels = gemm_kernels(W.dtype)
+    if len(kernels) < 2:
+        pytest.skip(f"this torch has one GEMM for {W.dtype}: nothing to measure")
+    measure = CountingMeasure(kernels[-1])
+    assert choose_gemm(W, measure=measure) == kernels[-1]  # not the first machine's answer
     assert len(measure.calls) == 1
     assert len(read_gemm_cache(linear.gemm_cache_path())) == 2  # both machines' choices kept
 
@@ -299,3 +302,75 @@ def test_time_gemm_on_real_kernels():
     times = time_gemm(rand(24, 16), KERNELS, rows=(1, 4), rounds=3, sample_s=1e-4)
     assert list(times) == KERNELS and all(len(t) == 2 and all(len(s) == 3 and min(s) > 0 for s in t)
                                           for t in times.values())
+
+
+# ---------------------------------------------------------------- bfloat16 weights
+
+# oneDNN's bfloat16 GEMM sums in float32 and rounds once, F.linear too: outputs of order one within a bfloat16 step
+BF16 = dict(rtol=2 ** -7, atol=1e-2)
+KERNELS16 = gemm_kernels(torch.bfloat16)
+
+
+def bf16_layers(bias: bool, tp_rank: int = 0, tp_size: int = 1):
+    "`layers` in bfloat16: the same full weights, rounded, loaded into bfloat16 parameters; bfloat16 inputs."
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # subtle: the layers' params_dtype follows the default, as build_model's
+    try:
+        built = layers(bias, tp_rank, tp_size)
+    finally:
+        torch.set_default_dtype(dtype)
+    return {name: (layer, x.bfloat16()) for name, (layer, x) in built.items()}
+
+
+@pytest.mark.parametrize("kernel", ["torch", "mkl", "onednn"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tp_rank,tp_size", [(0, 1), (1, 2)])
+def test_every_forced_kernel_in_bfloat16(kernel, bias, tp_rank, tp_size):
+    "Each layer kind in bfloat16, packed for each kernel that takes bfloat16 (MKL's does not: F.linear), computes F.linear's."
+    if kernel not in KERNELS:
+        pytest.skip(f"this torch has no {kernel}")
+    packs = kernel in KERNELS16 and kernel != "torch"
+    for name, (layer, x) in bf16_layers(bias, tp_rank, tp_size).items():
+        assert layer.weight.dtype == torch.bfloat16, name
+        W, b = layer.weight.detach().clone(), None if layer.bias is None else layer.bias.detach().clone()
+        assert layer.pack_for_cpu(kernel) == packs, name
+        y = layer.linear(x, layer.bias)
+        assert y.dtype == torch.bfloat16, name
+        torch.testing.assert_close(y, F.linear(x, W, b), **BF16, msg=lambda m: f"{name}: {m}")
+        for rows in (0, 1, 64, 300):
+            xs = rand(rows, x.shape[-1], seed=rows, dtype=torch.bfloat16)
+            torch.testing.assert_close(layer.linear(xs, layer.bias), F.linear(xs, W, b), **BF16)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "mkl", "onednn"])
+def test_bf16_row_parallel_at_tp_2_keeps_float32_partials(kernel):
+    "A bfloat16 row-parallel shard that all-reduces at TP=2 is packed as float32: its forward's partial stays float32's."
+    if kernel not in KERNELS:
+        pytest.skip(f"this torch has no {kernel}")
+    from minivllm.distributed import Communicator
+    W = rand(OUT, IN, seed=1, dtype=torch.bfloat16)
+    layer = load_layer(RowParallelLinear(IN, OUT, comm=Communicator(1, 2), params_dtype=torch.bfloat16), W)
+    x = rand(5, IN // 2, seed=2, dtype=torch.bfloat16)
+    expected = F.linear(x.float(), W[:, IN // 2:].float())
+    assert layer.pack_for_cpu(kernel) == (kernel != "torch")
+    assert layer.weight.dtype == torch.float32  # the shard, float32 (packed or not)
+    torch.testing.assert_close(layer.linear(x.float(), None), expected, **F32)
+
+
+@needs_choice
+def test_bf16_choice_is_measured_on_its_own_kernels_and_key(monkeypatch):
+    "A bfloat16 weight of a shape chosen in float32 is measured again, on bfloat16's candidates; forced MKL is F.linear."
+    if len(KERNELS16) < 2:
+        pytest.skip("this torch has no packed bfloat16 GEMM: F.linear, nothing to choose")
+    W = rand(24, 16)
+    choose_gemm(W, measure=CountingMeasure(KERNELS[0]))
+    measure = CountingMeasure()
+    assert choose_gemm(W.bfloat16(), measure=measure) == KERNELS16[-1]
+    assert measure.calls == [((24, 16), tuple(KERNELS16), GEMM_ROWS)] and "mkl" not in KERNELS16
+    assert choose_gemm(W.bfloat16(), measure=measure) == KERNELS16[-1] and len(measure.calls) == 1  # read back
+    assert json.loads(gemm_cache_key(W.bfloat16(), GEMM_ROWS))[3] == "bfloat16"
+    assert len(read_gemm_cache(linear.gemm_cache_path())) == 2
+    if "mkl" in KERNELS:
+        assert choose_gemm(W.bfloat16(), "mkl", measure=measure) == "torch"
+    assert gemm_kernels(torch.float16) == ["torch"]
+    assert choose_gemm(W.half(), measure=measure) == "torch" and len(measure.calls) == 1  # nothing to time

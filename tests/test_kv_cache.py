@@ -340,10 +340,12 @@ def test_attention_rejects_what_it_cannot_do():
         Attention(4, 8, 0.3, 4)(q, k, k, None, None, prefill_metadata([[]], [0], [2], 4))
 
 
-def test_backend_on_cpu_is_the_kernel_for_float32_decode_else_sdpa():
+def test_backend_on_cpu_is_the_kernel_for_float32_and_bfloat16_decode_else_sdpa():
     md = decode_metadata([[0]], [1], 4)
     assert attention_backend(torch.randn(1, 4, 8), torch.zeros(2, 4, 2, 8), md) == ("cpu" if HAS_CPU_KERNEL else "sdpa")
-    assert attention_backend(torch.randn(1, 4, 8).bfloat16(), torch.zeros(2, 4, 2, 8), md) == "sdpa"
+    kernel_16 = "cpu" if HAS_CPU_KERNEL else "sdpa"
+    assert attention_backend(torch.randn(1, 4, 8).bfloat16(), torch.zeros(2, 4, 2, 8).bfloat16(), md) == kernel_16
+    assert attention_backend(torch.randn(1, 4, 8).half(), torch.zeros(2, 4, 2, 8).half(), md) == "sdpa"
     assert attention_backend(torch.randn(1, 4, 8), None, prefill_metadata([[]], [0], [1], 4)) == "sdpa"
 
 

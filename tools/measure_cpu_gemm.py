@@ -5,6 +5,7 @@ draws. Run it on a quiet machine:
 
     python tools/measure_cpu_gemm.py              # threads: torch's default (the engine's at TP=1)
     python tools/measure_cpu_gemm.py --rounds 9
+    python tools/measure_cpu_gemm.py --dtype bfloat16   # bfloat16 weights: stored under "bfloat16" in the same file
 """
 from __future__ import annotations
 
@@ -37,13 +38,15 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--out", default=str(OUT))
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     a = p.parse_args()
+    dtype = getattr(torch, a.dtype)
     models = {"packaged model": json.loads((DEFAULT_MODEL / "config.json").read_text()),
               "SmolLM2-135M": SHAPES["smollm2-135m"]}
-    kernels, result = gemm_kernels(), []
+    kernels, result = gemm_kernels(dtype), []
     for model, config in models.items():
         for layer, (n, k) in layer_shapes(config).items():
-            w = torch.randn(n, k) * 0.05
+            w = (torch.randn(n, k) * 0.05).to(dtype)
             rows = LOGIT_ROWS if layer == "lm_head" else GEMM_ROWS
             before = machine_busy()
             samples = time_gemm(w, kernels, rows, rounds=a.rounds)
@@ -60,8 +63,13 @@ def main():
                        samples_us=us)
             print(json.dumps({kk: v for kk, v in row.items() if kk != "samples_us"}), flush=True)
             result.append(row)
-    Path(a.out).write_text(json.dumps(dict(cpu=cpu_model(), torch=torch.__version__, threads=torch.get_num_threads(),
-                                           rounds=a.rounds, kernels=kernels, shapes=result), indent=1) + "\n")
+    table = dict(cpu=cpu_model(), torch=torch.__version__, threads=torch.get_num_threads(), rounds=a.rounds,
+                 kernels=kernels, shapes=result)
+    out = Path(a.out)
+    old = json.loads(out.read_text()) if out.exists() else {}
+    # float32's table at the top (as notebook 03 reads it), bfloat16's under "bfloat16"; a run replaces only its own
+    data = table | {"bfloat16": old.get("bfloat16")} if a.dtype == "float32" else old | {"bfloat16": table}
+    out.write_text(json.dumps({k: v for k, v in data.items() if v is not None}, indent=1) + "\n")
     print(f"wrote {a.out}")
 
 

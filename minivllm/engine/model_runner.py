@@ -406,7 +406,7 @@ def warmup(self: ModelRunner) -> None:
         tokens = min(a.max_num_batched_tokens, a.max_num_seqs * self.max_model_len)
     else:  # on the CPU warm-up only loads the kernels: activations come out of the same memory as everything else
         tokens = min(16, self.max_model_len)
-        if self.config.dtype == torch.float32:
+        if self.config.dtype in (torch.float32, torch.bfloat16):
             cpu_decode_kernel()  # build (once per machine) or load the decode kernel now, not in the first request
     lengths = [self.max_model_len] * (tokens // self.max_model_len) + ([tokens % self.max_model_len] if tokens % self.max_model_len else [])
     step = StepInputs(True, [0] * tokens, [0] * len(lengths), lengths, [[] for _ in lengths])

@@ -134,9 +134,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 # %% ../../nbs/04_vocab_embedding.ipynb #5b091891
 @patch
 def pack_for_cpu(self: ParallelLMHead, free_weight: bool = False, gemm: str | None = None) -> bool:
-    "Compute the logits with the GEMM `choose_gemm` picks for the table (or `gemm` forces); free the table if `free_weight`."
+    "Compute the logits with the GEMM `choose_gemm` picks for the table's dtype (or `gemm` forces); free the table if `free_weight`."
     w = self.weight
-    if self.packed is None and w.dtype == torch.float32 and w.device.type == "cpu":
+    if self.packed is None and w.dtype.is_floating_point and w.device.type == "cpu":
         self.packed = pack_weight(w, choose_gemm(w, cpu_gemm_setting(gemm), rows=LOGIT_ROWS))
         if free_weight and self.packed is not None:
             w.data = torch.empty(0, dtype=w.dtype)

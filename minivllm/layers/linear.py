@@ -26,7 +26,7 @@ from ..config import check_tensor_parallel
 from ..distributed import Communicator, divide
 
 # %% auto #0
-__all__ = ['GEMM_KERNELS', 'GEMM_ROWS', 'LOGIT_ROWS', 'LinearBase', 'ReplicatedLinear', 'ColumnParallelLinear',
+__all__ = ['ONEDNN_DTYPES', 'GEMM_KERNELS', 'GEMM_ROWS', 'LOGIT_ROWS', 'LinearBase', 'ReplicatedLinear', 'ColumnParallelLinear',
            'RowParallelLinear', 'MergedColumnParallelLinear', 'heads_per_rank', 'QKVParallelLinear',
            'mkl_packing_available', 'check_packable', 'check_fits', 'PackedWeight', 'onednn_packing_available',
            'OneDNNWeight', 'gemm_kernels', 'pack_weight', 'cpu_gemm_setting', 'time_gemm', 'relative_times',
@@ -70,7 +70,10 @@ class LinearBase(nn.Module):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         "`x Wᵀ + bias` with this rank's weight shard: `F.linear`, or the packed weight's GEMM once packed."
-        return F.linear(x, self.weight, bias) if self.packed is None else self.packed(x, bias)
+        if self.packed is not None:
+            return self.packed(x, bias)
+        # a 16-bit row-parallel shard at TP > 1 multiplies its weight in float32 (RowParallelLinear)
+        return F.linear(x, self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.bias)
@@ -138,7 +141,7 @@ class RowParallelLinear(LinearBase):
         if self.tp_size > 1 and self.reduce_results and x.dtype in (torch.float16, torch.bfloat16):
             # subtle: sum the 16-bit partials in float32 and round once, as TP=1's matmul does; rounding each
             # partial (and each addition) flips near-tied tokens between TP sizes.
-            y = F.linear(x.float(), self.weight.float(), None if bias is None else bias.float())
+            y = self.linear(x.float(), None if bias is None else bias.float())  # a float32 weight once packed
             return self.comm.all_reduce(y).to(x.dtype)
         y = self.linear(x, bias)
         return self.comm.all_reduce(y) if self.reduce_results and self.tp_size > 1 else y
@@ -217,10 +220,11 @@ def mkl_packing_available() -> bool:
     except (RuntimeError, AttributeError):  # an op that is declared but not built in
         return False
 
-def check_packable(weight: torch.Tensor, packer: str) -> None:
-    "`ValueError` unless `weight` is what a packed GEMM takes: a 2-d float32 CPU tensor."
-    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-        raise ValueError(f"{packer} packs a 2-d float32 CPU weight, got {weight.dtype} {tuple(weight.shape)} "
+def check_packable(weight: torch.Tensor, packer: str, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
+    "`ValueError` unless `weight` is what a packed GEMM takes: a 2-d CPU tensor of one of `dtypes`."
+    if weight.dim() != 2 or weight.dtype not in dtypes or weight.device.type != "cpu":
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{packer} packs a 2-d {names} CPU weight, got {weight.dtype} {tuple(weight.shape)} "
                          f"on {weight.device}: keep F.linear for it")
 
 def check_fits(shape: tuple[int, int], x: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -251,27 +255,33 @@ class PackedWeight:
     def __repr__(self) -> str: return f"PackedWeight({self.shape})"
 
 # %% ../../nbs/03_parallel_linear.ipynb #1bea8a29
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16)  # what oneDNN's packed matmul multiplies; bfloat16 sums in float32
+
 @functools.cache
-def onednn_packing_available() -> bool:
-    "Whether this torch has oneDNN's packed matmul (`torch.ops.mkldnn`): checked once, on a small weight against `F.linear`."
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+def onednn_packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    "Whether this torch has oneDNN's packed matmul (`torch.ops.mkldnn`) for `dtype`: checked once, against `F.linear`."
+    if dtype not in ONEDNN_DTYPES or not (torch.backends.mkldnn.is_available()
+                                          and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
     try:
-        w, x = torch.randn(8, 16), torch.randn(3, 16)
+        w, x = torch.randn(8, 16).to(dtype), torch.randn(3, 16).to(dtype)
         y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, batch_size=3), None,
                                                "none", [], "")
-        return torch.allclose(y, F.linear(x, w), rtol=1e-4, atol=1e-5)
-    except (RuntimeError, AttributeError):  # an op that is declared but not built in
+        # the exact product, rounded once to bfloat16 (half an ulp, 2**-9 relative), when the sums are float32's
+        tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -8, atol=1e-3)
+        return y.dtype == dtype and torch.allclose(y.float(), F.linear(x.float(), w.float()), **tol)
+    except (RuntimeError, AttributeError):  # an op that is declared but not built in (or not for this dtype)
         return False
 
 class OneDNNWeight:
-    "A float32 CPU weight `[out, in]` reordered once for oneDNN: `packed(x, bias)` is `F.linear(x, weight, bias)`."
+    "A float32 or bfloat16 CPU weight `[out, in]` reordered once for oneDNN: `packed(x, bias)` is `F.linear(x, weight, bias)`."
     kernel = "onednn"
 
     def __init__(self, weight: torch.Tensor):
-        check_packable(weight, "OneDNNWeight")
-        if not onednn_packing_available():
-            raise RuntimeError("this torch has no oneDNN packed matmul (torch.ops.mkldnn._linear_pointwise): keep F.linear")
+        check_packable(weight, "OneDNNWeight", ONEDNN_DTYPES)
+        if not onednn_packing_available(weight.dtype):
+            raise RuntimeError(f"this torch has no oneDNN packed matmul (torch.ops.mkldnn._linear_pointwise) for "
+                               f"{weight.dtype}: keep F.linear")
         self.shape = tuple(weight.shape)
         # the layout hint is a decode batch of 64 rows, as for MKL's packing; every row count multiplies correctly
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_size=64)
@@ -285,9 +295,11 @@ class OneDNNWeight:
 # %% ../../nbs/03_parallel_linear.ipynb #af4742fd
 GEMM_KERNELS = ("torch", "mkl", "onednn")  # plain F.linear, MKL's packed GEMM, oneDNN's packed matmul
 
-def gemm_kernels() -> list[str]:
-    "The GEMMs this torch can multiply a float32 CPU weight with: `torch` always, each packed one where it is built in."
-    return ["torch"] + ["mkl"] * mkl_packing_available() + ["onednn"] * onednn_packing_available()
+def gemm_kernels(dtype: torch.dtype = torch.float32) -> list[str]:
+    "The GEMMs this torch can multiply a `dtype` CPU weight with: `torch` always, each packed one that takes `dtype`."
+    # subtle: MKL's packed GEMM is float32's only (cblas_sgemm_pack); oneDNN's takes bfloat16 too
+    mkl = dtype == torch.float32 and mkl_packing_available()
+    return ["torch"] + ["mkl"] * mkl + ["onednn"] * onednn_packing_available(dtype)
 
 def pack_weight(weight: torch.Tensor, kernel: str) -> PackedWeight | OneDNNWeight | None:
     "`weight` packed for `kernel` (`mkl`, `onednn`), or None for `torch` (`F.linear` on the weight as it is)."
@@ -409,10 +421,15 @@ def quiet_enough(busy_elsewhere: float, threads: int, cores: int) -> bool:
 def choose_gemm(weight: torch.Tensor, setting: str = "auto", rows: tuple[int, ...] = GEMM_ROWS, cache: Path | None = None,
                 measure: Callable[..., dict[str, list[list[float]]]] | None = None) -> str:
     "The GEMM for `weight`: the kernel `setting` forces, else the one `measure` (`time_gemm`) found fastest here (cached)."
-    kernels = gemm_kernels()
+    kernels = gemm_kernels(weight.dtype)
     if setting != "auto":
-        if setting not in kernels:
-            raise RuntimeError(f"the CPU GEMM {setting!r} is forced (MINIVLLM_CPU_GEMM) but this torch has only {kernels}")
+        if setting not in gemm_kernels():
+            raise RuntimeError(f"the CPU GEMM {setting!r} is forced (MINIVLLM_CPU_GEMM) but this torch has only "
+                               f"{gemm_kernels()}")
+        if setting not in kernels:  # e.g. MKL's, float32's only, on a bfloat16 weight: F.linear, as before packing
+            logging.getLogger("minivllm").info(f"the forced CPU GEMM {setting!r} cannot multiply {weight.dtype} "
+                                               f"weights (it has {kernels}): F.linear multiplies them")
+            return "torch"
         return setting
     if len(kernels) == 1:
         return kernels[0]
@@ -437,10 +454,15 @@ def choose_gemm(weight: torch.Tensor, setting: str = "auto", rows: tuple[int, ..
 # %% ../../nbs/03_parallel_linear.ipynb #36385c9b
 @patch
 def pack_for_cpu(self: LinearBase, gemm: str | None = None) -> bool:
-    "Multiply a float32 CPU weight with the GEMM `choose_gemm` picks (or `gemm` forces), packed once; whether it is packed."
+    "Multiply a CPU weight with the GEMM `choose_gemm` picks for its dtype (or `gemm` forces), packed once; whether it is."
     w = self.weight
-    if self.packed is None and w.dtype == torch.float32 and w.device.type == "cpu":
-        self.packed = pack_weight(w, choose_gemm(w, cpu_gemm_setting(gemm)))
-        if self.packed is not None:
-            w.data = torch.empty(0, dtype=w.dtype)  # subtle: the Parameter (its name, its loader) stays; its memory goes
+    if self.packed is not None or w.device.type != "cpu" or not w.dtype.is_floating_point:
+        return self.packed is not None
+    if isinstance(self, RowParallelLinear) and self.tp_size > 1 and self.reduce_results and w.dtype != torch.float32:
+        # subtle: a 16-bit row-parallel shard at TP > 1 multiplies in float32 (its partials are summed before the one
+        # rounding, see RowParallelLinear): its weight becomes float32, packed by float32's choice (twice the bytes)
+        w.data = w.data.float()
+    self.packed = pack_weight(w, choose_gemm(w, cpu_gemm_setting(gemm)))
+    if self.packed is not None:
+        w.data = torch.empty(0, dtype=w.dtype)  # subtle: the Parameter (its name, its loader) stays; its memory goes
     return self.packed is not None
