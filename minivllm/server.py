@@ -27,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
+from . import __version__
 from .async_llm import AsyncLLM
 from .distributed import listen_socket
 from .engine.scheduler import SamplingParams
@@ -35,10 +36,11 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['MAX_REQUEST_BYTES', 'MAX_N', 'MAX_LOGPROBS', 'MAX_COMPLETION_LOGPROBS', 'StreamOptions', 'SamplingFields',
-           'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'error_response', 'validation_message',
-           'is_json_content_type', 'http_error_message', 'check_max_request_bytes', 'BodyLimit', 'longest_token_chars',
-           'PromptEncoder', 'usage', 'LogprobFormat', 'sse', 'OpenAIReply', 'EngineCollector', 'ServerMetrics',
-           'RequestTimer', 'generate_all', 'OpenAIServer', 'build_app', 'bind_socket', 'serve']
+           'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'TokenizeRequest', 'DetokenizeRequest',
+           'error_response', 'validation_message', 'is_json_content_type', 'http_error_message',
+           'check_max_request_bytes', 'BodyLimit', 'longest_token_chars', 'PromptEncoder', 'usage', 'LogprobFormat',
+           'sse', 'OpenAIReply', 'EngineCollector', 'ServerMetrics', 'RequestTimer', 'generate_all', 'OpenAIServer',
+           'chat_messages', 'build_app', 'bind_socket', 'serve']
 
 # %% ../nbs/13c_server.ipynb #ebfbba7b
 class StreamOptions(BaseModel):
@@ -58,6 +60,9 @@ class SamplingFields(BaseModel):
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's: 1 = off
+    min_p: float = 0.0  # vLLM's: 0 = off
+    min_tokens: int = 0  # vLLM's: EOS and stop tokens held back before this many tokens
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -66,7 +71,8 @@ class SamplingFields(BaseModel):
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                               stop=self.stop or (), stop_token_ids=self.stop_token_ids or (), ignore_eos=self.ignore_eos,
                               n=self.n, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty, max_tokens=max_tokens, logprobs=logprobs)
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                              min_p=self.min_p, min_tokens=self.min_tokens, max_tokens=max_tokens, logprobs=logprobs)
 
 class CompletionRequest(SamplingFields):
     "`POST /v1/completions`: one prompt (text or token ids) or a list of them."
@@ -87,6 +93,19 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+
+class TokenizeRequest(BaseModel):
+    "`POST /tokenize` (vLLM's): the token ids of a prompt, or of a conversation after the chat template."
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+class DetokenizeRequest(BaseModel):
+    "`POST /detokenize` (vLLM's): the text of token ids."
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
 
 # %% ../nbs/13c_server.ipynb #c27834c2
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -455,11 +474,17 @@ class OpenAIServer:
         self.metrics, self.logprob_format = ServerMetrics(engine), LogprobFormat(self.tokenizer)
         self.encoder = PromptEncoder(self.tokenizer, self.max_model_len, model_name)
 
+    def model_error(self, model: str | None) -> JSONResponse | None:
+        "The error response for a model that is not this server's, else None (None: the body named none)."
+        if model is not None and model != self.model_name:
+            return error_response(400, f"the model {model!r} is not served here: this server serves "
+                                  f"{self.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
+        return None
+
     def check(self, body: SamplingFields) -> JSONResponse | None:
         "The error response for a body the engine must not see (unknown model, stopped engine, n past its bound), else None."
-        if body.model != self.model_name:
-            return error_response(400, f"the model {body.model!r} is not served here: this server serves "
-                                  f"{self.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
+        if (error := self.model_error(body.model)) is not None:
+            return error
         if not self.engine.is_running:
             return error_response(503, f"the engine has stopped ({self.engine.error}): restart the server",
                                   "server_error")
@@ -511,6 +536,18 @@ async def respond(self: OpenAIServer, body: SamplingFields, prompts: list[list[i
     return StreamingResponse(events(), media_type="text/event-stream")
 
 # %% ../nbs/13c_server.ipynb #1c7b0482
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    "The conversation as the chat template takes it, `{'role', 'content'}` with text content; `ValueError` for other parts."
+    plain = []
+    for m in messages:
+        content = m.content or ""
+        if isinstance(content, list):
+            if any(part.get("type") != "text" for part in content):
+                raise ValueError("only text content parts are supported")
+            content = "".join(part.get("text", "") for part in content)
+        plain.append({"role": m.role, "content": content})
+    return plain
+
 @patch
 async def completions(self: OpenAIServer, body: CompletionRequest):
     if (error := self.check(body)) is not None:
@@ -543,14 +580,10 @@ async def chat_completions(self: OpenAIServer, body: ChatCompletionRequest):
         return error
     if not body.messages:
         return error_response(400, "messages is empty: give at least one message", param="messages")
-    messages = []
-    for m in body.messages:
-        content = m.content or ""
-        if isinstance(content, list):
-            if any(part.get("type") != "text" for part in content):
-                return error_response(400, "only text content parts are supported", param="messages")
-            content = "".join(part.get("text", "") for part in content)
-        messages.append({"role": m.role, "content": content})
+    try:
+        messages = chat_messages(body.messages)
+    except ValueError as e:
+        return error_response(400, str(e), param="messages")
     k = body.top_logprobs if body.top_logprobs is not None else 0
     if body.top_logprobs is not None and not body.logprobs:
         return error_response(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -566,6 +599,36 @@ async def chat_completions(self: OpenAIServer, body: ChatCompletionRequest):
     except ValueError as e:
         return error_response(400, str(e), param="messages")
     return await self.respond(body, [token_ids], params, True, [text], timer)
+
+# %% ../nbs/13c_server.ipynb #76a62984
+@patch
+async def tokenize(self: OpenAIServer, body: TokenizeRequest):
+    "vLLM's `/tokenize`: a prompt's token ids (or a conversation's, after the chat template), their count, the limit."
+    if (error := self.model_error(body.model)) is not None:
+        return error
+    if (body.prompt is None) == (body.messages is None):
+        return error_response(400, "give either prompt (a text) or messages (a conversation), not both or neither",
+                              param="prompt")
+    try:
+        if body.prompt is not None:
+            [ids] = await self.encoder.encode([body.prompt])
+        else:
+            _, ids = await self.encoder.encode_chat(chat_messages(body.messages))
+    except ValueError as e:
+        return error_response(400, str(e), param="prompt" if body.prompt is not None else "messages")
+    return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": None}
+
+@patch
+async def detokenize(self: OpenAIServer, body: DetokenizeRequest):
+    "vLLM's `/detokenize`: the text of token ids."
+    if (error := self.model_error(body.model)) is not None:
+        return error
+    if self.tokenizer is None:
+        return error_response(400, f"model {self.model_name!r} has no tokenizer: it reads and writes token ids only")
+    vocab = self.engine.config.vocab_size
+    if (bad := next((t for t in body.tokens if not 0 <= t < vocab), None)) is not None:
+        return error_response(400, f"token id {bad} is out of range for a vocabulary of {vocab}", param="tokens")
+    return {"prompt": await self.encoder.run(self.tokenizer.decode, body.tokens)}
 
 # %% ../nbs/13c_server.ipynb #c25037ea
 def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tokenizer=None,
@@ -604,7 +667,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tok
 
     @app.middleware("http")
     async def check_api_key(request: HTTPRequest, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
+        if api_key is not None and request.url.path.startswith(("/v1", "/tokenize", "/detokenize")):
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return error_response(401, "invalid API key: send the server's key as 'Authorization: Bearer KEY'",
@@ -613,6 +676,12 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tok
 
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat_completions)
+    app.post("/tokenize")(server.tokenize)
+    app.post("/detokenize")(server.detokenize)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/v1/models")
     async def models():

@@ -82,6 +82,42 @@ def test_sampling_parameters_reach_the_engine(tp2):
     assert penalised != plain
 
 
+def test_vllm_sampling_fields_reach_the_engine_on_both_routes(tp2):
+    c = client(tp2)
+    base = dict(model="tiny", prompt="Hello there", temperature=0, max_tokens=16)
+    plain = c.completions.create(**base).choices[0]
+    for extra in ({"min_p": 0.5}, {"repetition_penalty": 1.0}):  # greedy: neither changes the argmax
+        assert c.completions.create(**base, extra_body=extra).choices[0].text == plain.text
+    repeated = c.completions.create(**base, extra_body={"ignore_eos": True, "repetition_penalty": 5.0}).choices[0].text
+    assert repeated != c.completions.create(**base, extra_body={"ignore_eos": True}).choices[0].text
+    at_least = c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=12, temperature=0,
+                                         extra_body={"min_tokens": 12, "stop_token_ids": [0, 1, 2]})
+    assert at_least.usage.completion_tokens == 12  # no EOS or stop token before 12
+    for bad, message in (({"min_p": 2.0}, "min_p must be"), ({"repetition_penalty": 0}, "repetition_penalty must be"),
+                         ({"min_tokens": 99}, "min_tokens must be")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            c.completions.create(**base, extra_body=bad)
+
+
+def test_tokenize_detokenize_and_version(tp2):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=tp2.url, headers=headers, timeout=60) as http:
+        text = "Once upon a time"
+        tokens = http.post("/tokenize", json={"model": "tiny", "prompt": text}).json()
+        assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 256
+        assert http.post("/detokenize", json={"model": "tiny", "tokens": tokens["tokens"]}).json() == {"prompt": text}
+        chat = http.post("/tokenize", json={"messages": HELLO}).json()  # the model is optional, as in vLLM
+        assert chat["count"] > len(HELLO[0]["content"].split())  # the template's tokens too
+        for path, body, message in (("/tokenize", {"prompt": "a", "messages": HELLO}, "not both"),
+                                    ("/detokenize", {"tokens": [-1]}, "out of range for a vocabulary"),
+                                    ("/tokenize", {"model": "other", "prompt": "a"}, "is not served here")):
+            r = http.post(path, json=body)
+            assert r.status_code == 400 and message in r.json()["error"]["message"]
+        from minivllm import __version__
+        assert httpx.get(tp2.url + "/version").json() == {"version": __version__}
+    assert httpx.post(tp2.url + "/tokenize", json={"prompt": "a"}).status_code == 401  # the key guards it
+
+
 def test_lists_of_prompts_and_chat_without_max_tokens(tp2):
     c = client(tp2)
     many = c.completions.create(model="tiny", prompt=["One", "Two", "Three"], n=2, max_tokens=3, temperature=0)
@@ -286,8 +322,10 @@ def test_the_packaged_model_serves_completions_and_refuses_chat_clearly():
         streamed = "".join(ch.choices[0].text for ch in
                            c.completions.create(model=name, prompt="ROMEO.\n", max_tokens=30, temperature=0, stream=True))
         assert streamed == whole.choices[0].text and whole.choices[0].text.strip()
-        with pytest.raises(openai.BadRequestError, match="has no chat template"):
+        with pytest.raises(openai.BadRequestError, match="model 'minivllm-default' has no chat template: use "
+                           "/v1/completions") as refused:
             c.chat.completions.create(model=name, messages=HELLO)
+        assert "/tmp" not in str(refused.value) and "generate()" not in str(refused.value)  # HTTP's words, no paths
         assert c.completions.create(model=name, prompt="JULIET.\n", max_tokens=3).usage.completion_tokens >= 1
 
 
