@@ -179,19 +179,23 @@ def step(self: EngineCore) -> StepOutputs:
     c = self.counts
     c["generation_tokens"] += sum(len(d.token_ids) for d in deltas)
     c["peak_running"], c["steps"] = max(c["peak_running"], len(info["seq_ids"])), c["steps"] + 1
-    sched, blocks = self.llm.scheduler, self.llm.scheduler.block_manager
-    stats = EngineStats(len(sched.running), len(sched.waiting), blocks.num_blocks - blocks.num_free_blocks,
-                        blocks.num_free_blocks, c["prompt_tokens"], c["generation_tokens"], sched.num_preemptions,
-                        c["steps"], c["peak_running"])
     record = StepRecord(start, time.perf_counter(), info["prefill"], sorted(set(requests))) if self.record_steps else None
-    return StepOutputs(deltas, stats, record)
+    return StepOutputs(deltas, self.stats(), record)
+
+@patch
+def stats(self: EngineCore) -> EngineStats:
+    "The engine now: requests, blocks, and the counts so far."
+    c, sched, blocks = self.counts, self.llm.scheduler, self.llm.scheduler.block_manager
+    return EngineStats(len(sched.running), len(sched.waiting), blocks.num_blocks - blocks.num_free_blocks,
+                       blocks.num_free_blocks, c["prompt_tokens"], c["generation_tokens"], sched.num_preemptions,
+                       c["steps"], c["peak_running"])
 
 # %% ../../nbs/13a_engine_core.ipynb #1c2866a3
 def engine_core_loop(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
     "Step while there is work, reading the inbox between steps; return on `Shutdown` or once the front end is gone."
     read, write = msgspec.msgpack.Decoder(EngineInput).decode, msgspec.msgpack.Encoder().encode
     while True:
-        timeout_ms = 0 if core.has_work else 1000  # idle: wait for a message, a second at a time
+        timeout_ms, aborted = 0 if core.has_work else 1000, False  # idle: wait for a message, a second at a time
         while inbox.poll(timeout_ms):
             message = read(inbox.recv())
             if isinstance(message, Shutdown):
@@ -201,11 +205,14 @@ def engine_core_loop(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, pa
                     outbox.send(write(refused))
             else:
                 core.abort(message)
+                aborted = True
             timeout_ms = 0
         if os.getppid() != parent_pid:  # the front end died without a word: nobody reads what we compute
             return
         if core.has_work:
             outbox.send(write(core.step()))
+        elif aborted:  # subtle: no step will follow to carry the freed blocks' news: send the stats alone
+            outbox.send(write(StepOutputs([], core.stats())))
 
 def run_engine_core(engine_kwargs: dict, inbox_address: str, outbox_address: str, record_steps: bool = False) -> None:
     "The engine-core process: build the engine (token ids only), say `Ready` or `Failed`, then loop until told to stop."
