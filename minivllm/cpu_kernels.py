@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['KERNEL_FLAGS', 'CPU_VECTOR_HELPERS', 'CPU_LAYER_KERNELS_SOURCE', 'cpu_kernels_enabled', 'build_cpu_extension',
-           'layer_kernels', 'use_cpu_kernels', 'add_rms_norm', 'silu_and_mul', 'rotary_embedding']
+__all__ = ['KERNEL_FLAGS', 'CPU_VECTOR_HELPERS', 'CPU_LAYER_KERNELS_SOURCE', 'CPU_KERNEL_DTYPES', 'cpu_kernels_enabled',
+           'build_cpu_extension', 'layer_kernels', 'use_cpu_kernels', 'add_rms_norm', 'silu_and_mul',
+           'rotary_embedding']
 
 # %% ../nbs/04a_cpu_kernels.ipynb #b755915d
 KERNEL_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast"]
@@ -101,6 +102,19 @@ static inline void store_part(at::BFloat16* p, v16 v, int64_t n) {
   if (n == 16) return store(p, v);
   for (int64_t i = 0; i < n; ++i) p[i] = static_cast<at::BFloat16>(v[i]);
 }
+// a kernel on T computes in float32 and rounds where torch's T operations round: rnd<T> is that rounding (none for
+// float), tof and fromf are the scalar widening and narrowing of the tails
+template <typename T> static inline v16 rnd(v16 v) { return v; }
+template <> inline v16 rnd<at::BFloat16>(v16 v) {
+  vu32 bits; std::memcpy(&bits, &v, sizeof bits);
+  vu32 r = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  r = (bits & 0x7fffffffu) > 0x7f800000u ? bits : r;
+  std::memcpy(&v, &r, sizeof v); return v;
+}
+static inline float tof(float x) { return x; }
+static inline float tof(at::BFloat16 x) { return static_cast<float>(x); }
+template <typename T> static inline T fromf(float x) { return static_cast<T>(x); }  // to bfloat16: nearest even
+template <typename T> static inline float rnd1(float x) { return tof(fromf<T>(x)); }
 static inline float hsum(v16 v) {
   typedef float v8 __attribute__((vector_size(32)));
   typedef float v4 __attribute__((vector_size(16)));
@@ -134,67 +148,110 @@ static void for_rows(int64_t rows, int64_t width, const F& f) {
   });
 }
 
-static void check_float_cpu(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
+// float32, or bfloat16 computed in float32 and rounded where torch's bfloat16 operations round
+static void check_float_cpu(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),
+              name, " must be a float32 or bfloat16 CPU tensor");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must have x's dtype");
 }
 
-// out = weight * (s / sqrt(mean(s^2) + eps)) for s = x (+ residual), over the last dim; returns (out, s) with a residual
-std::vector<at::Tensor> add_rms_norm(const at::Tensor& x_, const c10::optional<at::Tensor>& residual_,
-                                     const at::Tensor& weight_, double eps) {
-  check_float_cpu(x_, "x"); check_float_cpu(weight_, "weight");
-  TORCH_CHECK(x_.dim() >= 1 && weight_.dim() == 1 && x_.size(-1) == weight_.size(0), "x [..., H] and weight [H]");
-  const bool has_residual = residual_.has_value();
-  if (has_residual) { check_float_cpu(*residual_, "residual"); TORCH_CHECK(residual_->sizes() == x_.sizes(), "residual as x"); }
-  auto x = x_.contiguous(), w = weight_.contiguous();
-  auto r = has_residual ? residual_->contiguous() : at::Tensor();
-  auto out = at::empty_like(x), sum = has_residual ? at::empty_like(x) : at::Tensor();
-  const int64_t H = x.size(-1), full = H / 16 * 16, rows = H ? x.numel() / H : 0;
-  const float* xp = x.data_ptr<float>(); const float* wp = w.data_ptr<float>();
-  const float* rp = has_residual ? r.data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>(); float* sp = has_residual ? sum.data_ptr<float>() : nullptr;
+template <typename T>
+static void add_rms_norm_rows(const T* xp, const T* rp, const T* wp, T* op, T* sp, int64_t rows, int64_t H, float eps) {
+  const int64_t full = H / 16 * 16;
   for_rows(rows, H, [&](int64_t i) {
-    const float* s = xp + i * H;
-    if (has_residual) {  // s = x + residual, kept: it is the next residual
+    const T* s = xp + i * H;
+    if (rp) {  // s = x + residual (rounded to T), kept: it is the next residual
       for (int64_t j = 0; j < full; j += 16) store(sp + i * H + j, load(xp + i * H + j) + load(rp + i * H + j));
-      for (int64_t j = full; j < H; ++j) sp[i * H + j] = xp[i * H + j] + rp[i * H + j];
+      for (int64_t j = full; j < H; ++j) sp[i * H + j] = fromf<T>(tof(xp[i * H + j]) + tof(rp[i * H + j]));
       s = sp + i * H;
     }
     v16 squares = {};
     for (int64_t j = 0; j < full; j += 16) { v16 v = load(s + j); squares += v * v; }
     float ss = hsum(squares);
-    for (int64_t j = full; j < H; ++j) ss += s[j] * s[j];
-    const float inv = 1.f / std::sqrt(ss / H + static_cast<float>(eps));
-    for (int64_t j = 0; j < full; j += 16) store(op + i * H + j, load(wp + j) * (load(s + j) * inv));
-    for (int64_t j = full; j < H; ++j) op[i * H + j] = wp[j] * (s[j] * inv);
+    for (int64_t j = full; j < H; ++j) ss += tof(s[j]) * tof(s[j]);
+    const float inv = 1.f / std::sqrt(ss / H + eps);
+    // the normalised value rounded to T before the weight multiplies it, as transformers' RMSNorm does
+    for (int64_t j = 0; j < full; j += 16) store(op + i * H + j, load(wp + j) * rnd<T>(load(s + j) * inv));
+    for (int64_t j = full; j < H; ++j) op[i * H + j] = fromf<T>(tof(wp[j]) * rnd1<T>(tof(s[j]) * inv));
   });
+}
+
+// out = weight * (s / sqrt(mean(s^2) + eps)) for s = x (+ residual), over the last dim; returns (out, s) with a residual
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x_, const c10::optional<at::Tensor>& residual_,
+                                     const at::Tensor& weight_, double eps) {
+  const auto dtype = x_.scalar_type();
+  check_float_cpu(x_, "x", dtype); check_float_cpu(weight_, "weight", dtype);
+  TORCH_CHECK(x_.dim() >= 1 && weight_.dim() == 1 && x_.size(-1) == weight_.size(0), "x [..., H] and weight [H]");
+  const bool has_residual = residual_.has_value();
+  if (has_residual) { check_float_cpu(*residual_, "residual", dtype); TORCH_CHECK(residual_->sizes() == x_.sizes(), "residual as x"); }
+  auto x = x_.contiguous(), w = weight_.contiguous();
+  auto r = has_residual ? residual_->contiguous() : at::Tensor();
+  auto out = at::empty_like(x), sum = has_residual ? at::empty_like(x) : at::Tensor();
+  const int64_t H = x.size(-1), rows = H ? x.numel() / H : 0;
+  if (dtype == at::kBFloat16)
+    add_rms_norm_rows(x.data_ptr<at::BFloat16>(), has_residual ? r.data_ptr<at::BFloat16>() : nullptr,
+                      w.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(),
+                      has_residual ? sum.data_ptr<at::BFloat16>() : nullptr, rows, H, static_cast<float>(eps));
+  else
+    add_rms_norm_rows(x.data_ptr<float>(), has_residual ? r.data_ptr<float>() : nullptr, w.data_ptr<float>(),
+                      out.data_ptr<float>(), has_residual ? sum.data_ptr<float>() : nullptr, rows, H, static_cast<float>(eps));
   if (has_residual) return {out, sum};
   return {out};
 }
 
 // silu(x[..., :d]) * x[..., d:] for x [..., 2d]; silu(g) = g / (1 + e^-g)
+template <typename T>
+static void silu_and_mul_rows(const T* xp, T* op, int64_t rows, int64_t d) {
+  const int64_t full = d / 16 * 16;
+  for_rows(rows, 2 * d, [&](int64_t i) {  // silu(g) rounded to T, then the product: torch's two T operations
+    const T* g = xp + i * 2 * d; const T* u = g + d; T* o = op + i * d;
+    for (int64_t j = 0; j < full; j += 16) { v16 gv = load(g + j); store(o + j, rnd<T>(gv / (1.f + exp16(-gv))) * load(u + j)); }
+    if (full < d) { v16 gv = load_part(g + full, d - full); store_part(o + full, rnd<T>(gv / (1.f + exp16(-gv))) * load_part(u + full, d - full), d - full); }
+  });
+}
+
 at::Tensor silu_and_mul(const at::Tensor& x_) {
-  check_float_cpu(x_, "x");
+  check_float_cpu(x_, "x", x_.scalar_type());
   TORCH_CHECK(x_.dim() >= 1 && x_.size(-1) % 2 == 0, "x [..., 2d]: gate and up side by side");
   auto x = x_.contiguous();
-  const int64_t d = x.size(-1) / 2, full = d / 16 * 16, rows = d ? x.numel() / (2 * d) : 0;
+  const int64_t d = x.size(-1) / 2, rows = d ? x.numel() / (2 * d) : 0;
   auto sizes = x.sizes().vec(); sizes.back() = d;
   auto out = at::empty(sizes, x.options());
-  const float* xp = x.data_ptr<float>(); float* op = out.data_ptr<float>();
-  for_rows(rows, 2 * d, [&](int64_t i) {
-    const float* g = xp + i * 2 * d; const float* u = g + d; float* o = op + i * d;
-    for (int64_t j = 0; j < full; j += 16) { v16 gv = load(g + j); store(o + j, gv / (1.f + exp16(-gv)) * load(u + j)); }
-    if (full < d) { v16 gv = load_part(g + full, d - full); store_part(o + full, gv / (1.f + exp16(-gv)) * load_part(u + full, d - full), d - full); }
-  });
+  if (x.scalar_type() == at::kBFloat16) silu_and_mul_rows(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, d);
+  else silu_and_mul_rows(x.data_ptr<float>(), out.data_ptr<float>(), rows, d);
   return out;
+}
+
+// one tensor's heads rotated; in bfloat16 as transformers' `q * cos + rotate_half(q) * sin`: cos and sin rounded to
+// bfloat16, each product rounded, then their sum (the products of two bfloat16 numbers are exact in float32)
+template <typename T>
+static void rotate_rows(const int64_t* pos, const T* xp, T* op, const float* cs, int64_t T_, int64_t stride,
+                        int64_t heads, int64_t D) {
+  const int64_t half = D / 2;
+  for_rows(T_, heads * D, [&](int64_t t) {
+    const float* cos = cs + pos[t] * D; const float* sin = cos + half;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* x1 = xp + t * stride + h * D; const T* x2 = x1 + half;
+      T* o1 = op + (t * heads + h) * D; T* o2 = o1 + half;
+      for (int64_t j = 0; j < half; j += 16) {
+        const int64_t n = std::min<int64_t>(16, half - j);
+        v16 c = rnd<T>(load_part(cos + j, n)), s = rnd<T>(load_part(sin + j, n));
+        v16 a = load_part(x1 + j, n), b = load_part(x2 + j, n);
+        store_part(o1 + j, rnd<T>(a * c) - rnd<T>(b * s), n);
+        store_part(o2 + j, rnd<T>(b * c) + rnd<T>(a * s), n);
+      }
+    }
+  });
 }
 
 // neox-style rotation of every head of q and k ([T, heads * D] or [T, heads, D]; rows may be strided) by the cos|sin
 // table [max_position, D] at each token's position: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin on the two halves
 std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions_, const at::Tensor& q, const at::Tensor& k,
                                          const at::Tensor& cos_sin_, int64_t head_dim) {
-  check_float_cpu(q, "q"); check_float_cpu(k, "k"); check_float_cpu(cos_sin_, "cos_sin_cache");
+  check_float_cpu(q, "q", q.scalar_type()); check_float_cpu(k, "k", q.scalar_type());
+  check_float_cpu(cos_sin_, "cos_sin_cache", at::kFloat);
   TORCH_CHECK(positions_.scalar_type() == at::kLong && positions_.dim() == 1, "positions: int64 [T]");
-  const int64_t T = positions_.size(0), D = head_dim, half = D / 2;
+  const int64_t T = positions_.size(0), D = head_dim;
   TORCH_CHECK(D > 0 && D % 2 == 0 && cos_sin_.dim() == 2 && cos_sin_.size(1) == D, "the cos|sin table is [max_position, head_dim]");
   for (const auto* x : {&q, &k}) {
     const bool flat = x->dim() == 2 && x->size(1) % D == 0 && x->stride(1) == 1;
@@ -209,21 +266,11 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions_, const at:
   auto q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
   const float* cs = cos_sin.data_ptr<float>();
   for (auto [x, out] : {std::pair<const at::Tensor*, at::Tensor*>{&q, &q_out}, {&k, &k_out}}) {
-    const float* xp = x->data_ptr<float>(); float* op = out->data_ptr<float>();
     const int64_t stride = x->stride(0), heads = x->numel() / std::max<int64_t>(T * D, 1);
-    for_rows(T, heads * D, [&](int64_t t) {
-      const float* cos = cs + pos[t] * D; const float* sin = cos + half;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* x1 = xp + t * stride + h * D; const float* x2 = x1 + half;
-        float* o1 = op + (t * heads + h) * D; float* o2 = o1 + half;
-        for (int64_t j = 0; j < half; j += 16) {
-          const int64_t n = std::min<int64_t>(16, half - j);
-          v16 c = load_part(cos + j, n), s = load_part(sin + j, n), a = load_part(x1 + j, n), b = load_part(x2 + j, n);
-          store_part(o1 + j, a * c - b * s, n);
-          store_part(o2 + j, b * c + a * s, n);
-        }
-      }
-    });
+    if (x->scalar_type() == at::kBFloat16)
+      rotate_rows(pos, x->data_ptr<at::BFloat16>(), out->data_ptr<at::BFloat16>(), cs, T, stride, heads, D);
+    else
+      rotate_rows(pos, x->data_ptr<float>(), out->data_ptr<float>(), cs, T, stride, heads, D);
   }
   return {q_out, k_out};
 }
@@ -244,9 +291,11 @@ def layer_kernels():
     "The fused layer operators, `torch.ops.minivllm_cpu_layers`, built on first use; None where they cannot be."
     return torch.ops.minivllm_cpu_layers if build_cpu_extension("minivllm_cpu_layers", CPU_LAYER_KERNELS_SOURCE) else None
 
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # bfloat16: float32 math, rounded where torch's operations round
+
 def use_cpu_kernels(x: torch.Tensor) -> bool:
-    "Whether an operation on `x` goes to the C++ kernels: float32 on the CPU, with the kernels built (and not off)."
-    return x.device.type == "cpu" and x.dtype == torch.float32 and layer_kernels() is not None
+    "Whether an operation on `x` goes to the C++ kernels: float32 or bfloat16 on the CPU, with the kernels built (and not off)."
+    return x.device.type == "cpu" and x.dtype in CPU_KERNEL_DTYPES and layer_kernels() is not None
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     "`norm(x)`, or `(norm(x + residual), x + residual)`, by the C++ kernel; `x` `[..., H]`."
