@@ -87,6 +87,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the longest prompt + completion, in tokens "
                         "(default: the model's max_position_embeddings, at most 4096)")
+    p.add_argument("--num-threads", type=int, default=None, metavar="N",
+                   help="CPU: intra-op threads per rank (default: chosen at every step from the load on the cores)")
 
 # %% ../nbs/15_cli.ipynb #efc3b065
 def _add_generate(sub) -> None:
@@ -267,7 +269,7 @@ def _generate_command(a: argparse.Namespace) -> int:
         engine_logger.setLevel(logging.WARNING)
     try:
         with LLM(folder, tensor_parallel_size=a.tp, dtype=_dtype(a), max_model_len=a.max_model_len,
-                 **_node_kwargs(a)) as llm:
+                 num_threads=a.num_threads, **_node_kwargs(a)) as llm:
             prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in a.prompts] if a.chat else a.prompts
             if sys.stdout.isatty():
                 print_streamed(llm.stream(list(prompts), params), heads)
@@ -293,7 +295,7 @@ def _serve_command(a: argparse.Namespace) -> int:
     serve(folder if model is not None else None, a.tp, a.host, a.port, a.api_key or os.environ.get("MINIVLLM_API_KEY"),
           a.served_model_name or model, a.log_level, dtype=_dtype(a), max_model_len=a.max_model_len,
           max_num_seqs=a.max_num_seqs, gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
-          seed=a.seed, **_node_kwargs(a),
+          seed=a.seed, num_threads=a.num_threads, **_node_kwargs(a),
           **({"max_request_bytes": a.max_request_bytes} if a.max_request_bytes is not None else {}))
     return 0
 

@@ -126,13 +126,13 @@ class CompletionText:
         self.hold = max(map(len, stop), default=1) - 1  # characters that might begin a stop string
         self.stopped = False  # a stop string was found
 
-    def add(self, token_ids: list[int], finished: bool = False) -> bool:
-        "Add new tokens (and, `finished`, flush the rest); True once a stop string has ended the text."
+    def add(self, token_ids: list[int], finished: bool = False, look: bool = True) -> bool:
+        "Add new tokens (and, `finished`, flush the rest); True once a stop string has ended the text (sought if `look`)."
         if self.stopped:
             return True
         start = max(0, len(self.text) - self.hold)  # subtle: a stop string may begin in the text held back
         self.text += self.detokenizer.add(token_ids) + (self.detokenizer.flush() if finished else "")
-        found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0] if look else []
         if found:
             self.text, self.stopped = self.text[:min(found)], True
         return self.stopped
@@ -166,7 +166,8 @@ class Request:
             return False
         new = seq.token_ids[seq.num_prompt_tokens + self.seen[i]:]
         self.seen[i] += len(new)
-        return text.add(new, finished=seq.is_finished)
+        # as vLLM: no stop string ends a completion before its min_tokens
+        return text.add(new, finished=seq.is_finished, look=seq.num_completion_tokens >= seq.sampling_params.min_tokens)
 
     def _finish_reason(self, i: int) -> str | None:
         seq, text = self.seqs[i], self.texts[i]

@@ -89,7 +89,7 @@ def test_greedy_matches_with_preemption_prefix_hits_and_chunked_prefill(case, tp
 def test_prefix_cache_hits_are_reported_per_request(case):
     path, prompts, expected = case
     with LLM(path, max_model_len=128, kvcache_block_size=8) as llm:
-        first = llm.generate(prompts[10], GREEDY, use_tqdm=False)
+        first = llm.generate(prompts[10], GREEDY, use_tqdm=False)[0]
         second = llm.generate(prompts[11:13], GREEDY, use_tqdm=False)
     assert first.num_cached_tokens == 0
     assert [o.num_cached_tokens for o in second] == [40, 40]  # the shared 40 tokens: five full blocks of 8
