@@ -9,8 +9,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 # %% auto #0
 __all__ = ['SHAPES', 'make_tiny_checkpoint', 'random_checkpoint']
 
@@ -21,6 +19,7 @@ def make_tiny_checkpoint(path: str | Path, model_type: str = "qwen3", *, tie_wor
                          head_dim: int | None = None, dtype: str = "float32", initializer_range: float = 0.2,
                          seed: int = 0, **overrides) -> Path:
     "Save a random Hugging Face checkpoint of `model_type` with a tiny config at `path`; returns the path."
+    import torch
     import transformers
     classes = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}
     kw = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,

@@ -298,3 +298,35 @@ def test_bad_input_is_one_error_line_in_a_child(case, bad_inputs, bad_input_chil
     out, err = child.communicate(timeout=120)
     assert_one_error_line(child.returncode, err)
     assert bad_inputs[case][1] in err and out == ""
+
+
+# --- bench's help and usage errors at once too: its benchmark modules import torch only when a benchmark runs ----------
+
+BENCH_NO_TORCH = """
+import sys, contextlib, io
+from minivllm.cli import main
+for argv, status, stream, text in (
+        (["bench", "--help"], 0, "out", "--random-shape"), (["bench", "serve", "--help"], 0, "out", "--request-rate"),
+        (["bench", "allreduce", "--help"], 0, "out", "--shape"), (["bench", "--tp"], 2, "err", "minivllm: error: "),
+        (["bench", "--random-shape", "gpt"], 2, "err", "minivllm: error: "),
+        (["bench", "serve", "--request-rate", "0"], 2, "err", "minivllm: error: "),
+        (["bench", "allreduce", "--tp", "two"], 2, "err", "minivllm: error: ")):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        got = main(argv)
+    assert got == status and text in {"out": out, "err": err}[stream].getvalue(), (argv, got, err.getvalue())
+    assert not {"torch", "transformers"} & set(sys.modules), argv
+print("no torch")
+"""
+
+
+def test_bench_help_and_usage_errors_import_no_torch(hub_env):
+    child = subprocess.run([sys.executable, "-c", BENCH_NO_TORCH], capture_output=True, text=True, env=hub_env, timeout=60)
+    assert child.returncode == 0 and child.stdout == "no torch\n", child.stderr
+    # the real command too: `python -m minivllm bench --help` imports every benchmark module, and neither torch nor transformers
+    child = subprocess.run([sys.executable, "-X", "importtime", "-m", "minivllm", "bench", "--help"], capture_output=True,
+                           text=True, env=hub_env, timeout=60)
+    modules = {line.rsplit("|", 1)[-1].strip() for line in child.stderr.splitlines() if line.startswith("import time:")}
+    assert child.returncode == 0 and "--random-shape" in child.stdout, child.stderr[-2000:]
+    assert {"minivllm.bench.throughput", "minivllm.bench.serve", "minivllm.bench.comm"} <= modules, sorted(modules)
+    assert not {"torch", "transformers"} & modules, sorted(m for m in modules if m.split(".")[0] in ("torch", "transformers"))

@@ -10,13 +10,7 @@ import secrets
 import time
 from functools import partial
 
-import torch
-
-from ..distributed import run_on_ranks
-from ..engine.ipc import ShmCommandChannel
-from ..engine.multinode import INLINE_BYTES, GlooCommandChannel, GlooCommandReceiver
-from ..engine.wire import ClusterKey
-from ..shm_allreduce import ShmCommunicator, time_all_reduce
+# torch and the engine's modules are imported where they are used: `minivllm bench allreduce --help` needs neither
 
 # %% auto #0
 __all__ = ['add_allreduce_arguments', 'run_allreduce', 'time_command_paths']
@@ -31,6 +25,9 @@ def add_allreduce_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_allreduce(a: argparse.Namespace) -> int:
     "`minivllm bench allreduce`: one all-reduce through gloo and through shared memory, and their ratio."
+    import torch
+    from minivllm.distributed import run_on_ranks
+    from minivllm.shm_allreduce import ShmCommunicator, time_all_reduce
     nbytes = 4 * torch.Size(a.shape).numel()
     connect = partial(ShmCommunicator.connect, slot_bytes=max(nbytes, 1 << 20))
     t = run_on_ranks(time_all_reduce, a.tp, [nbytes], a.iters, a.repeats, connect=connect)
@@ -48,6 +45,8 @@ class _Sink:
 
 def _time_broadcasts(comm, sizes: list[int], iters: int, inline_bytes: int, secret: str) -> dict[int, float]:
     "Seconds per command of `sizes` bytes sent back to back over a `GlooCommandChannel` (rank 0's clock)."
+    from minivllm.engine.multinode import GlooCommandChannel, GlooCommandReceiver
+    from minivllm.engine.wire import ClusterKey
     out, key = {}, ClusterKey(secret).scoped("bench")
     if comm.rank == 0:
         channel = GlooCommandChannel(comm.cpu_group, key, _Sink.COMMANDS, inline_bytes=inline_bytes)
@@ -71,8 +70,12 @@ def _time_broadcasts(comm, sizes: list[int], iters: int, inline_bytes: int, secr
     return out
 
 def time_command_paths(sizes: list[int], iters: int = 200, repeats: int = 3,
-                       inline_bytes: int = INLINE_BYTES) -> dict[str, dict[int, float]]:
+                       inline_bytes: int | None = None) -> dict[str, dict[int, float]]:  # None: the engine's INLINE_BYTES
     "Median seconds per command of each size, through shared memory and through the gloo broadcast, between two processes."
+    from minivllm.distributed import run_on_ranks
+    from minivllm.engine.ipc import ShmCommandChannel
+    from minivllm.engine.multinode import INLINE_BYTES
+    inline_bytes = INLINE_BYTES if inline_bytes is None else inline_bytes
     shm, gloo = {n: [] for n in sizes}, {n: [] for n in sizes}
     secret = secrets.token_urlsafe(32)
     with ShmCommandChannel(1, max_bytes=max(sizes) + 4096) as channel:

@@ -16,11 +16,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
+# torch, transformers and the engine are imported where they are used: `minivllm bench --help` needs none of them
 from .workload import Workload, arguments_of, device_name
 from ..checkpoints import SHAPES, random_checkpoint
-from ..engine.scheduler import SamplingParams
 
 # %% auto #0
 __all__ = ['SAMPLE', 'VLLM_SCRIPT', 'SPINNER', 'Result', 'bench_minivllm', 'bench_transformers', 'bench_vllm', 'agreement',
@@ -52,6 +50,7 @@ class Result:
 def bench_minivllm(model: str | Path | None, workload: Workload, tensor_parallel_size: int = 1,
                    dtype: str | None = None, num_threads: int | None = None, **llm_kwargs) -> Result:
     "minivllm's throughput on `workload` (one `generate` call with every request)."
+    from minivllm.engine.scheduler import SamplingParams
     from minivllm.llm import LLM
     start = time.perf_counter()
     longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
@@ -68,23 +67,24 @@ def bench_minivllm(model: str | Path | None, workload: Workload, tensor_parallel
 
 SAMPLE = 8  # requests whose tokens are kept, to check that two engines agree
 
-@torch.no_grad()
 def bench_transformers(model: str | Path, workload: Workload, dtype: str | None = None, batch_size: int = 1) -> Result:
     "transformers' `generate` on `workload`: one request at a time, or left-padded batches run to their longest output."
+    import torch
     import transformers
-    start = time.perf_counter()
-    kw = {"dtype": getattr(torch, dtype)} if dtype else {"dtype": "auto"}
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model, **kw).eval()
-    ready = time.perf_counter()
-    for i in range(0, len(workload.prompts), batch_size):
-        prompts, outs = workload.prompts[i:i + batch_size], workload.output_lens[i:i + batch_size]
-        width = max(map(len, prompts))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=max(outs), min_new_tokens=max(outs),
-                          do_sample=False, pad_token_id=0, eos_token_id=None)
-        assert out.shape[1] == width + max(outs)
-    seconds = time.perf_counter() - ready
+    with torch.no_grad():
+        start = time.perf_counter()
+        kw = {"dtype": getattr(torch, dtype)} if dtype else {"dtype": "auto"}
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model, **kw).eval()
+        ready = time.perf_counter()
+        for i in range(0, len(workload.prompts), batch_size):
+            prompts, outs = workload.prompts[i:i + batch_size], workload.output_lens[i:i + batch_size]
+            width = max(map(len, prompts))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=max(outs), min_new_tokens=max(outs),
+                              do_sample=False, pad_token_id=0, eos_token_id=None)
+            assert out.shape[1] == width + max(outs)
+        seconds = time.perf_counter() - ready
     name = "transformers" + (f" (batches of {batch_size})" if batch_size > 1 else " (one at a time)")
     return Result(name, 1, workload.output_tokens, seconds, ready - start)
 

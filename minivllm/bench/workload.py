@@ -10,10 +10,10 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..engine.scheduler import SamplingParams
+if TYPE_CHECKING:  # torch and the engine are imported where they are used: `minivllm bench --help` needs neither
+    from minivllm.engine.scheduler import SamplingParams
 
 # %% auto #0
 __all__ = ['Workload', 'device_name', 'arguments_of', 'default_sigint', 'ServerProcess']
@@ -29,6 +29,7 @@ class Workload:
     def make(cls, vocab_size: int, num_prompts: int = 64, input_len: tuple[int, int] = (16, 256),
              output_len: tuple[int, int] = (16, 256), seed: int = 0) -> Workload:
         "`num_prompts` requests with lengths uniform in the (inclusive) ranges."
+        import torch
         g = torch.Generator().manual_seed(seed)
         between = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))
         prompts, outs = [], []
@@ -42,11 +43,13 @@ class Workload:
 
     def sampling_params(self) -> list[SamplingParams]:
         "Greedy, exactly `output_len` tokens per request."
+        from minivllm.engine.scheduler import SamplingParams
         return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in self.output_lens]
 
 # %% ../../nbs/13d_bench_workload.ipynb #fce7c450
 def device_name() -> str:
     "The GPU's name, or the CPU's model and core count."
+    import torch
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
     import platform
