@@ -179,7 +179,7 @@ def _add_worker(sub) -> None:
                    help="seconds to wait for the engine to answer (default: %(default)s)")
 
 def _fill_bench(b: argparse.ArgumentParser) -> None:
-    "`minivllm bench`'s options and its other benchmarks as sub-commands, from the benchmark modules (they import torch)."
+    "`minivllm bench`'s options and its other benchmarks as sub-commands, from the benchmark modules, imported only for `bench`."
     from minivllm.bench import comm as comm_bench, serve as serve_bench, throughput as throughput_bench
     throughput_bench.add_arguments(b)
     b.set_defaults(run=throughput_bench.run)
