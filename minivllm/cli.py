@@ -139,6 +139,9 @@ def _add_serve(sub) -> None:
     s.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: MODEL as given, or minivllm-default)")
     s.add_argument("--max-num-seqs", type=int, default=256, help="the most requests in one batch (default: %(default)s)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="the most tokens one step computes; longer prompts are prefilled in chunks (default: 2048, "
+                        "as vLLM's server, minivllm.server.SERVE_MAX_NUM_BATCHED_TOKENS)")
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="on a GPU, the fraction of its memory the engine may use; the CPU ignores it "
                         "(default: %(default)s)")
@@ -294,7 +297,8 @@ def _serve_command(a: argparse.Namespace) -> int:
     Config.from_pretrained(folder, tensor_parallel_size=a.tp, dtype=_dtype(a))  # no weights needed: before anything binds
     serve(folder if model is not None else None, a.tp, a.host, a.port, a.api_key or os.environ.get("MINIVLLM_API_KEY"),
           a.served_model_name or model, a.log_level, dtype=_dtype(a), max_model_len=a.max_model_len,
-          max_num_seqs=a.max_num_seqs, gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
+          max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+          gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
           seed=a.seed, num_threads=a.num_threads, **_node_kwargs(a),
           **({"max_request_bytes": a.max_request_bytes} if a.max_request_bytes is not None else {}))
     return 0

@@ -35,12 +35,12 @@ from .llm import CompletionOutput, RequestOutput, _load_tokenizer, logger
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['MAX_REQUEST_BYTES', 'MAX_N', 'MAX_LOGPROBS', 'MAX_COMPLETION_LOGPROBS', 'StreamOptions', 'SamplingFields',
-           'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'TokenizeRequest', 'DetokenizeRequest',
-           'error_response', 'validation_message', 'is_json_content_type', 'http_error_message',
-           'check_max_request_bytes', 'BodyLimit', 'longest_token_chars', 'PromptEncoder', 'usage', 'LogprobFormat',
-           'sse', 'OpenAIReply', 'EngineCollector', 'ServerMetrics', 'RequestTimer', 'generate_all', 'OpenAIServer',
-           'chat_messages', 'build_app', 'bind_socket', 'serve']
+__all__ = ['MAX_REQUEST_BYTES', 'MAX_N', 'MAX_LOGPROBS', 'MAX_COMPLETION_LOGPROBS', 'SERVE_MAX_NUM_BATCHED_TOKENS',
+           'StreamOptions', 'SamplingFields', 'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest',
+           'TokenizeRequest', 'DetokenizeRequest', 'error_response', 'validation_message', 'is_json_content_type',
+           'http_error_message', 'check_max_request_bytes', 'BodyLimit', 'longest_token_chars', 'PromptEncoder',
+           'usage', 'LogprobFormat', 'sse', 'OpenAIReply', 'EngineCollector', 'ServerMetrics', 'RequestTimer',
+           'generate_all', 'OpenAIServer', 'chat_messages', 'build_app', 'bind_socket', 'serve']
 
 # %% ../nbs/13c_server.ipynb #ebfbba7b
 class StreamOptions(BaseModel):
@@ -732,11 +732,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise OSError(f"cannot listen on {host}:{port} ({os.strerror(e.errno) if e.errno else e}): choose another "
                       "--port or --host") from None
 
+SERVE_MAX_NUM_BATCHED_TOKENS = 2048  # tokens per step when serving (vLLM's server default): prompts in chunks, so
+                                     # that the first requests' first tokens do not wait for every prompt's prefill
+
 def serve(model: str | Path | None = None, tensor_parallel_size: int = 1, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, served_model_name: str | None = None, log_level: str = "warning",
-          max_request_bytes: int = MAX_REQUEST_BYTES, **engine_kwargs) -> None:
+          max_request_bytes: int = MAX_REQUEST_BYTES, max_num_batched_tokens: int | None = None,
+          **engine_kwargs) -> None:
     "Serve a model over OpenAI's API until SIGINT or SIGTERM, then close the engine (workers ended, shared memory freed); `SystemExit(1)` if the engine dies."
     check_max_request_bytes(max_request_bytes)
+    engine_kwargs["max_num_batched_tokens"] = max_num_batched_tokens or SERVE_MAX_NUM_BATCHED_TOKENS
     sock, engine, previous = bind_socket(host, port), None, signal.getsignal(signal.SIGTERM)
     try:
         engine = AsyncLLM(model, tensor_parallel_size, **engine_kwargs)  # the engine core, in its own process

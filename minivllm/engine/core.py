@@ -224,6 +224,8 @@ def run_engine_core(engine_kwargs: dict, inbox_address: str, outbox_address: str
     write, llm = msgspec.msgpack.Encoder().encode, None
     try:
         llm = LLM(**engine_kwargs, skip_tokenizer_init=True)
+        if llm.runner.threads is not None:  # subtle: the front end's work is the engine's own, not another program's load
+            llm.runner.threads.pids.add(parent_pid)
         pids = sorted(p.pid for p in llm.channel.processes.values()) if llm.channel is not None else []
         outbox.send(write(Ready(llm.runner.num_blocks, pids)))
         engine_core_loop(EngineCore(llm, record_steps), inbox, outbox, parent_pid)
