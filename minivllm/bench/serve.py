@@ -157,12 +157,13 @@ class VllmServer:
     def __init__(self, python: str | Path, model: str | Path, dtype: str = "float32", max_model_len: int = 1024,
                  timeout_s: float = 900.0):
         import httpx
+        from minivllm.config import has_tokenizer
         from minivllm.distributed import free_port
         port = free_port()
         self.url, self.log = f"http://127.0.0.1:{port}", tempfile.TemporaryFile("w+")
         command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
                    "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
-                   "--max-num-seqs", "256"]
+                   "--max-num-seqs", "256"] + ([] if has_tokenizer(Path(model)) else ["--skip-tokenizer-init"])
         try:
             self.proc = subprocess.Popen(command, env=os.environ | VLLM_ENV, stdout=self.log, stderr=subprocess.STDOUT,
                                          start_new_session=True)  # its own group: stopping it stops its workers
@@ -171,15 +172,18 @@ class VllmServer:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with code {self.proc.returncode}:\n{self.tail()}")
+                print(self.tail(), file=sys.stderr)
+                last = next((line for line in reversed(self.tail().splitlines()) if line.strip()), "")
+                raise RuntimeError(f"vllm serve exited with code {self.proc.returncode}: {last.strip()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
+                print(self.tail(), file=sys.stderr)
                 self.stop()
-                raise TimeoutError(f"vllm serve did not start within {timeout_s:.0f} s:\n{self.tail()}")
+                raise TimeoutError(f"vllm serve did not start within {timeout_s:.0f} s (its last lines are above)")
             time.sleep(1.0)
 
     def tail(self, lines: int = 20) -> str:
