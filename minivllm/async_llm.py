@@ -52,6 +52,7 @@ class AsyncLLM:
         self.steps: list[dict] | None = [] if record_steps else None  # per step, when recorded: time, kind, requests
         self._live: dict[str, tuple[Request, _Stream]] = {}  # request id -> its text so far, and its caller
         self._lock = threading.Lock()  # guards _live and the requests in it (callers and the output thread)
+        self._ended = False  # the output thread has told every stream the engine ended (under _lock)
         self._ids = itertools.count()
         self.error: BaseException | None = None  # what stopped the engine, if anything did
         self._closing = False
@@ -87,6 +88,8 @@ class AsyncLLM:
         request = Request(request_id, prompt_text if prompt_text is not None else text, seqs, self.tokenizer, True)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
+            if self._ended:  # subtle: the engine ended after the check above; nobody would ever answer this stream
+                raise RuntimeError(f"the engine is not running ({self.error or 'it has shut down'}): start a new one")
             if request_id in self._live:
                 raise ValueError(f"a request with id {request_id!r} is already running: give each request its own id")
             self._live[request_id] = (request, stream)
@@ -162,7 +165,7 @@ def _receive_loop(self: AsyncLLM) -> None:
         logger.error(f"the engine stopped: {self.error}")
     stopped = self.error or RuntimeError("the engine has shut down")
     with self._lock:
-        live, self._live = list(self._live.values()), {}
+        live, self._live, self._ended = list(self._live.values()), {}, True
     for request, stream in live:
         stream.put(stopped)
 
