@@ -220,26 +220,31 @@ def test_a_broken_cache_is_measured_again(content):
 @needs_choice
 @pytest.mark.parametrize("threads,busy,saved", [(2, 0.4, True), (2, 1.0, False), (1, 1.0, True), (1, 1.6, False)])
 def test_a_measurement_on_a_busy_machine_is_not_saved(monkeypatch, threads, busy, saved):
-    "Other processes that took the cores this process's threads need: the pick serves once, and is measured again."
+    "Other processes took the cores this process's threads need: the pick serves this process, and the next measures again."
     monkeypatch.setattr(linear, "cores_busy_elsewhere", lambda before, after: busy)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     monkeypatch.setattr(linear.os, "sched_getaffinity", lambda pid: {0, 1})  # two cores
-    measure = CountingMeasure()
-    assert choose_gemm(rand(24, 16), measure=measure) == KERNELS[-1]
-    assert choose_gemm(rand(24, 16), measure=measure) == KERNELS[-1]
-    assert len(measure.calls) == (1 if saved else 2)
+    measure, this_process = CountingMeasure(), {}
+    assert choose_gemm(rand(24, 16), measure=measure, unsaved=this_process) == KERNELS[-1]
+    assert choose_gemm(rand(24, 16), measure=measure, unsaved=this_process) == KERNELS[-1]  # every layer of the shape
+    assert len(measure.calls) == 1
     assert len(read_gemm_cache(linear.gemm_cache_path())) == (1 if saved else 0)
+    assert len(this_process) == (0 if saved else 1)
+    assert choose_gemm(rand(24, 16), measure=measure, unsaved={}) == KERNELS[-1]  # the next process
+    assert len(measure.calls) == (1 if saved else 2)
 
 
 @needs_choice
 def test_a_cache_folder_that_cannot_be_written(tmp_path, monkeypatch):
-    "A read-only cache still gives a choice (measured each time), with a warning."
+    "A read-only cache still gives a choice, with a warning: measured once per process, in each process."
     blocked = tmp_path / "file"
     blocked.write_text("")
     monkeypatch.setattr(linear, "gemm_cache_path", lambda: blocked / "below" / "cpu_gemm.json")  # not a folder
-    measure = CountingMeasure()
-    assert choose_gemm(rand(24, 16), measure=measure) == KERNELS[-1]
-    assert choose_gemm(rand(24, 16), measure=measure) == KERNELS[-1]
+    measure, this_process = CountingMeasure(), {}
+    assert choose_gemm(rand(24, 16), measure=measure, unsaved=this_process) == KERNELS[-1]
+    assert choose_gemm(rand(24, 16), measure=measure, unsaved=this_process) == KERNELS[-1]
+    assert len(measure.calls) == 1
+    assert choose_gemm(rand(24, 16), measure=measure, unsaved={}) == KERNELS[-1]  # the next process
     assert len(measure.calls) == 2
 
 

@@ -26,12 +26,12 @@ from ..config import check_tensor_parallel
 from ..distributed import Communicator, divide
 
 # %% auto #0
-__all__ = ['ONEDNN_DTYPES', 'GEMM_KERNELS', 'GEMM_ROWS', 'LOGIT_ROWS', 'LinearBase', 'ReplicatedLinear', 'ColumnParallelLinear',
-           'RowParallelLinear', 'MergedColumnParallelLinear', 'heads_per_rank', 'QKVParallelLinear',
-           'mkl_packing_available', 'check_packable', 'check_fits', 'PackedWeight', 'onednn_packing_available',
-           'OneDNNWeight', 'gemm_kernels', 'pack_weight', 'cpu_gemm_setting', 'time_gemm', 'relative_times',
-           'pick_gemm', 'cpu_model', 'gemm_cache_key', 'gemm_cache_path', 'read_gemm_cache', 'save_gemm_choice',
-           'machine_busy', 'cores_busy_elsewhere', 'quiet_enough', 'choose_gemm']
+__all__ = ['ONEDNN_DTYPES', 'GEMM_KERNELS', 'GEMM_ROWS', 'LOGIT_ROWS', 'UNSAVED_CHOICES', 'LinearBase', 'ReplicatedLinear',
+           'ColumnParallelLinear', 'RowParallelLinear', 'MergedColumnParallelLinear', 'heads_per_rank',
+           'QKVParallelLinear', 'mkl_packing_available', 'check_packable', 'check_fits', 'PackedWeight',
+           'onednn_packing_available', 'OneDNNWeight', 'gemm_kernels', 'pack_weight', 'cpu_gemm_setting', 'time_gemm',
+           'relative_times', 'pick_gemm', 'cpu_model', 'gemm_cache_key', 'gemm_cache_path', 'read_gemm_cache',
+           'save_gemm_choice', 'machine_busy', 'cores_busy_elsewhere', 'quiet_enough', 'choose_gemm']
 
 # %% ../../nbs/03_parallel_linear.ipynb #bb9274af
 class LinearBase(nn.Module):
@@ -380,8 +380,8 @@ def read_gemm_cache(path: Path) -> dict:
         return {}
     return data if isinstance(data, dict) else {}
 
-def save_gemm_choice(path: Path, key: str, entry: dict) -> None:
-    "Add `entry` under `key` to the file at `path`, locked against other ranks; a file that cannot be written is skipped."
+def save_gemm_choice(path: Path, key: str, entry: dict) -> bool:
+    "Add `entry` under `key` to the file at `path`, locked against other ranks; whether it could (else: skipped, warned)."
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -392,8 +392,10 @@ def save_gemm_choice(path: Path, key: str, entry: dict) -> None:
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(data, indent=1))
             os.replace(tmp, path)  # subtle: readers without the lock see the old file or the new one, never half
+        return True
     except OSError as e:
         logging.getLogger("minivllm").warning(f"could not save the CPU GEMM choice in {path} ({e}): it is measured again next time")
+        return False
 
 # %% ../../nbs/03_parallel_linear.ipynb #999ae993
 def machine_busy() -> tuple[float, float, float] | None:
@@ -418,9 +420,13 @@ def quiet_enough(busy_elsewhere: float, threads: int, cores: int) -> bool:
     return busy_elsewhere <= max(0, cores - threads) + 0.5
 
 # %% ../../nbs/03_parallel_linear.ipynb #60b7bc59
+UNSAVED_CHOICES: dict[tuple[str, str], str] = {}  # (cache file, key) -> a kernel this process measured but did not save
+
 def choose_gemm(weight: torch.Tensor, setting: str = "auto", rows: tuple[int, ...] = GEMM_ROWS, cache: Path | None = None,
-                measure: Callable[..., dict[str, list[list[float]]]] | None = None) -> str:
+                measure: Callable[..., dict[str, list[list[float]]]] | None = None,
+                unsaved: dict[tuple[str, str], str] | None = None) -> str:
     "The GEMM for `weight`: the kernel `setting` forces, else the one `measure` (`time_gemm`) found fastest here (cached)."
+    unsaved = UNSAVED_CHOICES if unsaved is None else unsaved
     kernels = gemm_kernels(weight.dtype)
     if setting != "auto":
         if setting not in gemm_kernels():
@@ -437,6 +443,8 @@ def choose_gemm(weight: torch.Tensor, setting: str = "auto", rows: tuple[int, ..
     entry = read_gemm_cache(path).get(key)
     if isinstance(entry, dict) and entry.get("kernel") in kernels:
         return entry["kernel"]
+    if unsaved.get((str(path), key)) in kernels:  # measured by this process before, but not saved: not again
+        return unsaved[str(path), key]
     logging.getLogger("minivllm").info(f"timing the CPU GEMMs {kernels} on a {tuple(weight.shape)} weight (once per machine)")
     before = machine_busy()
     samples = (measure or time_gemm)(weight, kernels, rows)
@@ -444,11 +452,13 @@ def choose_gemm(weight: torch.Tensor, setting: str = "auto", rows: tuple[int, ..
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if not quiet_enough(elsewhere, torch.get_num_threads(), cores):
         logging.getLogger("minivllm").info(f"other processes kept {elsewhere:.1f} cores busy while the CPU GEMMs were "
-                                           f"timed: {kernel} serves now, not saved (measured again next time)")
+                                           f"timed: {kernel} serves this process, not saved (measured again next start)")
+        unsaved[str(path), key] = kernel
         return kernel
-    save_gemm_choice(path, key, {"kernel": kernel, "rows": list(rows), "relative": relative_times(samples),
-                                 "us_per_call": {k: [round(statistics.median(s) * 1e6, 2) for s in per_rows]
-                                                 for k, per_rows in samples.items()}})
+    if not save_gemm_choice(path, key, {"kernel": kernel, "rows": list(rows), "relative": relative_times(samples),
+                                        "us_per_call": {k: [round(statistics.median(s) * 1e6, 2) for s in per_rows]
+                                                        for k, per_rows in samples.items()}}):
+        unsaved[str(path), key] = kernel
     return kernel
 
 # %% ../../nbs/03_parallel_linear.ipynb #36385c9b
