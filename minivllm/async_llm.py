@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import threading
 from collections.abc import AsyncIterator
@@ -17,22 +18,58 @@ from .engine.core import (Abort, AddRequest, EngineCoreGone, EngineCoreProcess, 
                                   StepOutputs, rebuild_error)
 from .engine.model_runner import EngineArgs
 from .engine.scheduler import SamplingParams, Sequence, SequenceStatus
-from .llm import Request, RequestOutput, _load_tokenizer, encode_prompt, logger
+from .llm import CompletionOutput, Request, RequestOutput, _load_tokenizer, encode_prompt, logger
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['AsyncLLM']
+__all__ = ['merge_deltas', 'hand_over', 'AsyncLLM']
 
 # %% ../nbs/13b_async_llm.ipynb #4dcc9f2a
-class _Stream:
-    "Where one request's outputs go: an asyncio queue, fed from the output thread through its event loop."
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue = loop, asyncio.Queue()
+def merge_deltas(old: RequestOutput, new: RequestOutput) -> RequestOutput:
+    "Two deltas of one request as one: each completion's text, token ids and logprobs joined, the newer state and ends."
+    joined = {c.index: c for c in old.outputs}
+    for c in new.outputs:
+        o = joined.get(c.index)
+        joined[c.index] = c if o is None else CompletionOutput(
+            c.index, None if o.text is None and c.text is None else (o.text or "") + (c.text or ""),
+            o.token_ids + c.token_ids, c.finish_reason or o.finish_reason,
+            None if o.logprobs is None and c.logprobs is None else (o.logprobs or []) + (c.logprobs or []))
+    # subtle: the older time stays: it is when the engine produced the first of these tokens (time to first token)
+    return replace(new, outputs=[joined[i] for i in sorted(joined)], time=old.time)
 
-    def put(self, item) -> None:
-        "Hand `item` (a RequestOutput or an exception) to the caller's event loop (from any thread)."
+class _Stream:
+    "One request's outputs in its caller's event loop: the deltas not read yet (merged into one), then maybe an error."
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.items, self.waiter = loop, collections.deque(), None
+
+    def push(self, item: RequestOutput | BaseException) -> None:
+        "Add `item` (in the loop's thread): a delta joins one not read yet; wake the caller."
+        if self.items and isinstance(item, RequestOutput) and isinstance(self.items[-1], RequestOutput):
+            self.items[-1] = merge_deltas(self.items[-1], item)
+        else:
+            self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def get(self) -> RequestOutput | BaseException:
+        "The next item: every delta since the last read, as one (waits for one)."
+        while not self.items:
+            self.waiter = self.loop.create_future()
+            await self.waiter
+        return self.items.popleft()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        "Hand `item` to the caller's event loop (from any thread)."
+        hand_over({self.loop: [(self, item)]})
+
+def _push_all(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+    for stream, item in items: stream.push(item)
+
+def hand_over(news: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput | BaseException]]]) -> None:
+    "Give each event loop its streams' items with one wake-up (from any thread)."
+    for loop, items in news.items():
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            loop.call_soon_threadsafe(_push_all, items)
         except RuntimeError:  # the caller's event loop has closed: nobody is listening any more
             pass
 
@@ -40,7 +77,12 @@ class _Stream:
 class AsyncLLM:
     "The front end of an engine-core process: requests from asyncio callers join its next step; their text streams back."
     def __init__(self, model: str | Path | None = None, tensor_parallel_size: int = 1, record_steps: bool = False,
-                 **engine_kwargs):
+                 stream_interval: int = 1, **engine_kwargs):
+        # stream_interval: a request's news goes out every that many tokens (and its first tokens and its end at
+        # once), as vLLM's --stream-interval: fewer, larger deltas cost the front end less per token
+        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be a whole number of tokens >= 1, got {stream_interval!r}")
+        self.stream_interval = stream_interval
         folder = model_folder(model)  # a folder, a hub id, or the packaged model (notebook 00)
         args = EngineArgs(folder, tensor_parallel_size, **engine_kwargs)
         self.config = args.model_config()  # checks the checkpoint and the TP size before any process starts
@@ -98,7 +140,7 @@ class AsyncLLM:
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -166,13 +208,15 @@ def _receive_loop(self: AsyncLLM) -> None:
     stopped = self.error or RuntimeError("the engine has shut down")
     with self._lock:
         live, self._live, self._ended = list(self._live.values()), {}, True
+    news = {}
     for request, stream in live:
-        stream.put(stopped)
+        news.setdefault(stream.loop, []).append((stream, stopped))
+    hand_over(news)
 
 @patch
 def _deliver(self: AsyncLLM, outputs: StepOutputs) -> None:
     "Extend each named request's sequences with a step's new tokens; give every request with news its delta."
-    news, stops, touched = [], [], {}
+    news, stops, touched = {}, [], {}
     with self._lock:
         for d in outputs.deltas:
             if (entry := self._live.get(d.request_id)) is None:  # aborted here, or ended by a stop string
@@ -191,8 +235,10 @@ def _deliver(self: AsyncLLM, outputs: StepOutputs) -> None:
                 stops.append(Abort(d.request_id, d.index, "stop"))
             touched[d.request_id] = entry
         for request_id, (request, stream) in touched.items():
+            if not self._due(request):
+                continue
             if (delta := request.delta()) is not None:
-                news.append((stream, delta))
+                news.setdefault(stream.loop, []).append((stream, delta))
             if request.is_finished:
                 del self._live[request_id]
         self.stats = outputs.stats
@@ -201,5 +247,11 @@ def _deliver(self: AsyncLLM, outputs: StepOutputs) -> None:
             self.steps.append(dict(start=r.start, end=r.end, prefill=r.prefill, requests=r.requests))
     for message in stops:
         self._send(message)
-    for stream, delta in news:  # subtle: after the snapshot, so a caller that sees its end sees the stats after it
-        stream.put(delta)
+    hand_over(news)  # subtle: after the snapshot, so a caller that sees its end sees the stats after it
+
+@patch
+def _due(self: AsyncLLM, request: Request) -> bool:
+    "Whether a request's news goes out now: its first tokens, its end, or `stream_interval` tokens since the last."
+    sent = sum(request.sent_tokens)
+    return (request.is_finished or sent == 0 or self.stream_interval == 1
+            or sum(s.num_completion_tokens for s in request.seqs) - sent >= self.stream_interval)

@@ -149,6 +149,9 @@ def _add_serve(sub) -> None:
                    help="never capture CUDA graphs; the CPU always runs eagerly (default: off)")
     s.add_argument("--seed", type=int, default=0,
                    help="seeds the draws of requests that bring no seed of their own (default: %(default)s)")
+    s.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="send each stream's new text every N tokens (its first token and its end at once): fewer, "
+                        "larger events cost the server less per token, as vLLM's option (default: %(default)s)")
     s.add_argument("--max-request-bytes", type=int, default=None,
                    help="the largest request body the server reads, in bytes; larger ones get a 413 (default: 4 MiB, "
                         "minivllm.server.MAX_REQUEST_BYTES)")
@@ -299,7 +302,7 @@ def _serve_command(a: argparse.Namespace) -> int:
           a.served_model_name or model, a.log_level, dtype=_dtype(a), max_model_len=a.max_model_len,
           max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
           gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
-          seed=a.seed, num_threads=a.num_threads, **_node_kwargs(a),
+          seed=a.seed, num_threads=a.num_threads, stream_interval=a.stream_interval, **_node_kwargs(a),
           **({"max_request_bytes": a.max_request_bytes} if a.max_request_bytes is not None else {}))
     return 0
 

@@ -196,19 +196,21 @@ def test_serve_passes_every_option_to_the_server(monkeypatch):
     assert main(["serve", model, "-tp", "2", "--host", "0.0.0.0", "--port", "0", "--api-key", "k",
                  "--served-model-name", "m", "--max-model-len", "128", "--dtype", "bfloat16", "--max-num-seqs", "8",
                  "--gpu-memory-utilization", "0.5", "--enforce-eager", "--seed", "7", "--num-threads", "1",
-                 "--max-num-batched-tokens", "512"]) == 0
+                 "--max-num-batched-tokens", "512", "--stream-interval", "3"]) == 0
     folder, tp, host, port, key, name, log_level = seen["args"]
     assert (str(folder), tp, host, port, key, name, log_level) == (model, 2, "0.0.0.0", 0, "k", "m", "warning")
     assert seen["kwargs"] == dict(dtype="bfloat16", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=512,
                                   gpu_memory_utilization=0.5,
-                                  enforce_eager=True, seed=7, num_threads=1, nnodes=1, master_addr="127.0.0.1",
+                                  enforce_eager=True, seed=7, num_threads=1, stream_interval=3, nnodes=1,
+                                  master_addr="127.0.0.1",
                                   master_port=0)
     # vLLM's defaults; the model as --model, or given twice alike; --dtype auto is the checkpoint's
     assert main(["serve", "--model", model, "--tensor-parallel-size", "1"]) == 0
     assert seen["args"][:2] == (DEFAULT_MODEL, 1) and seen["args"][5] == model
     assert seen["kwargs"] == dict(dtype=None, max_model_len=None, max_num_seqs=256, max_num_batched_tokens=None,
                                   gpu_memory_utilization=0.9,
-                                  enforce_eager=False, seed=0, num_threads=None, nnodes=1, master_addr="127.0.0.1",
+                                  enforce_eager=False, seed=0, num_threads=None, stream_interval=1, nnodes=1,
+                                  master_addr="127.0.0.1",
                                   master_port=0)
     assert main(["serve", model, "--model", model, "--tp", "2"]) == 0
     assert seen["args"][:2] == (DEFAULT_MODEL, 2)
