@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import gc
 import os
 import secrets
 import signal
@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import msgspec
 import uvicorn
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -40,7 +41,7 @@ __all__ = ['MAX_REQUEST_BYTES', 'MAX_N', 'MAX_LOGPROBS', 'MAX_COMPLETION_LOGPROB
            'TokenizeRequest', 'DetokenizeRequest', 'error_response', 'validation_message', 'is_json_content_type',
            'http_error_message', 'check_max_request_bytes', 'BodyLimit', 'longest_token_chars', 'PromptEncoder',
            'usage', 'LogprobFormat', 'sse', 'OpenAIReply', 'EngineCollector', 'ServerMetrics', 'RequestTimer',
-           'generate_all', 'OpenAIServer', 'chat_messages', 'build_app', 'bind_socket', 'serve']
+           'generate_all', 'OpenAIServer', 'chat_messages', 'ApiKeyCheck', 'build_app', 'bind_socket', 'serve']
 
 # %% ../nbs/13c_server.ipynb #ebfbba7b
 class StreamOptions(BaseModel):
@@ -300,9 +301,9 @@ class LogprobFormat:
                             for t, d in zip(token_ids, logprobs)]}
 
 # %% ../nbs/13c_server.ipynb #8dceaf02
-def sse(payload: dict) -> str:
-    "One server-sent event carrying `payload` as JSON."
-    return f"data: {json.dumps(payload)}\n\n"
+def sse(payload: dict) -> bytes:
+    "One server-sent event carrying `payload` as JSON (msgspec's encoder: one of these per token per stream)."
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 class OpenAIReply:
     "One request's answer in OpenAI's shape, built from the engine's `(prompt index, delta)` pairs: whole, or chunk by chunk."
@@ -333,7 +334,7 @@ class OpenAIReply:
     def _usage(self) -> dict:
         return usage(sum(self.prompt_tokens.values()), sum(self.tokens.values()))
 
-    def chunk(self, i: int, delta: RequestOutput) -> str:
+    def chunk(self, i: int, delta: RequestOutput) -> bytes:
         "The event of one delta: a choice for each completion with news."
         self.prompt_tokens[i] = len(delta.prompt_token_ids)
         choices = []
@@ -344,12 +345,12 @@ class OpenAIReply:
             choices.append(choice)
         return sse(self.head | {"choices": choices})
 
-    def role_chunk(self) -> str:
+    def role_chunk(self) -> bytes:
         "Chat's first event: each choice's role."
         return sse(self.head | {"choices": [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                              "finish_reason": None} for j in range(self.num_prompts * self.n)]})
 
-    def usage_chunk(self) -> str:
+    def usage_chunk(self) -> bytes:
         "The last event before [DONE] when `stream_options.include_usage`: the token counts, no choices."
         return sse(self.head | {"choices": [], "usage": self._usage()})
 
@@ -433,8 +434,14 @@ class RequestTimer:
 async def generate_all(engine: AsyncLLM, prompts: list, params: SamplingParams, request_id: str,
                        texts: list[str | None] | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
     "Run one engine request per prompt at once (texts: what token-id prompts were tokenized from); yield `(prompt index, delta)` as they come. Leaving early aborts them all."
-    queue: asyncio.Queue = asyncio.Queue()
     texts = texts if texts is not None else [None] * len(prompts)
+    if len(prompts) == 1:  # the usual request: the engine's stream itself, without a task and a queue per delta
+        async with contextlib.aclosing(engine.generate(prompts[0], params, f"{request_id}-0", must_fit=True,
+                                                       prompt_text=texts[0])) as s:
+            async for delta in s:
+                yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
     async def pump(i, prompt):
         try:
             # subtle: aclosing closes the engine's generator at once when this task is cancelled: that aborts it
@@ -630,6 +637,23 @@ async def detokenize(self: OpenAIServer, body: DetokenizeRequest):
         return error_response(400, f"token id {bad} is out of range for a vocabulary of {vocab}", param="tokens")
     return {"prompt": await self.encoder.run(self.tokenizer.decode, body.tokens)}
 
+# %% ../nbs/13c_server.ipynb #42d87420
+class ApiKeyCheck:
+    "ASGI middleware: a request to a guarded path without `Authorization: Bearer <api_key>` gets OpenAI's 401."
+    GUARDED = ("/v1", "/tokenize", "/detokenize")
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith(self.GUARDED):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not secrets.compare_digest(given, self.expected):
+                refusal = error_response(401, "invalid API key: send the server's key as 'Authorization: Bearer KEY'",
+                                         "authentication_error", code="invalid_api_key")
+                return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
+
 # %% ../nbs/13c_server.ipynb #c25037ea
 def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tokenizer=None,
               max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
@@ -665,15 +689,6 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tok
         return error_response(500, f"the server failed on this request ({type(exc).__name__}: {exc}): please report "
                               "it, with the request", "server_error")
 
-    @app.middleware("http")
-    async def check_api_key(request: HTTPRequest, call_next):
-        if api_key is not None and request.url.path.startswith(("/v1", "/tokenize", "/detokenize")):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(401, "invalid API key: send the server's key as 'Authorization: Bearer KEY'",
-                                      "authentication_error", code="invalid_api_key")
-        return await call_next(request)
-
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat_completions)
     app.post("/tokenize")(server.tokenize)
@@ -698,6 +713,8 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tok
     async def prometheus():
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    if api_key is not None:
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
     # subtle: added last, so outermost: a body past the limit is refused before any other middleware reads it
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     return app
@@ -751,6 +768,8 @@ def serve(model: str | Path | None = None, tensor_parallel_size: int = 1, host: 
         shown = f"[{host}]" if ":" in host else host
         logger.info(f"serving {name!r} at http://{shown}:{sock.getsockname()[1]}/v1 (Ctrl-C or SIGTERM stops it)")
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        gc.collect()
+        gc.freeze()  # subtle: what start-up made lives as long as the server: later collections need not walk it
         server.run(sockets=[sock])
         if engine.error is not None:  # subtle: exit non-zero, so that a supervisor (systemd, Kubernetes) restarts us
             logger.error("the server exits with status 1, since its engine has stopped")

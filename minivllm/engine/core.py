@@ -5,6 +5,7 @@
 # %% ../../nbs/13a_engine_core.ipynb #8c6d191a
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import signal
@@ -227,6 +228,10 @@ def run_engine_core(engine_kwargs: dict, inbox_address: str, outbox_address: str
         if llm.runner.threads is not None:  # subtle: the front end's work is the engine's own, not another program's load
             llm.runner.threads.pids.add(parent_pid)
         pids = sorted(p.pid for p in llm.channel.processes.values()) if llm.channel is not None else []
+        # subtle: the millions of objects that torch, transformers and the model made at start live as long as the
+        # process: freezing them spares every later full collection of the garbage collector a walk through them
+        gc.collect()
+        gc.freeze()
         outbox.send(write(Ready(llm.runner.num_blocks, pids)))
         engine_core_loop(EngineCore(llm, record_steps), inbox, outbox, parent_pid)
     except BaseException as e:
