@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 from .workload import ServerProcess, Workload, arguments_of, device_name
 from ..checkpoints import SHAPES, random_checkpoint
 
-if TYPE_CHECKING:  # httpx is the serving benchmark's dependency, not the package's: imported where it is used
-    import httpx
+if TYPE_CHECKING:  # aiohttp and httpx are the serving benchmark's dependencies, not the package's: imported where used
+    import aiohttp
 
 # %% auto #0
 __all__ = ['VLLM_ENV', 'RequestTiming', 'stream_request', 'arrival_times', 'run_clients', 'percentiles', 'summarize',
@@ -48,25 +48,26 @@ class RequestTiming:
         "Seconds per token after the first (None for a one-token reply)."
         return (self.end - self.first) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
-async def stream_request(http: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> RequestTiming:
-    "Send one streaming completion and time it."
-    import httpx
+async def stream_request(http: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
+                         max_tokens: int) -> RequestTiming:
+    "Send one streaming completion to the server at `url` and time it."
+    import aiohttp
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     sent, first, tokens = time.perf_counter(), None, 0
     try:
-        async with http.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                return RequestTiming(sent, None, time.perf_counter(), 0, (await r.aread()).decode()[:300])
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+        async with http.post(url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                return RequestTiming(sent, None, time.perf_counter(), 0, (await r.text())[:300])
+            async for line in r.content:  # one line of the event stream at a time
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(line[len(b"data: "):])
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
                 elif chunk.get("choices") and first is None:
                     first = time.perf_counter()
-    except httpx.HTTPError as e:
+    except aiohttp.ClientError as e:
         return RequestTiming(sent, first, time.perf_counter(), tokens, f"{type(e).__name__}: {e}")
     return RequestTiming(sent, first, time.perf_counter(), tokens)
 
@@ -84,14 +85,15 @@ def arrival_times(num_requests: int, request_rate: float, seed: int = 0) -> list
 async def run_clients(url: str, model: str, workload: Workload, request_rate: float, seed: int = 0,
                       api_key: str | None = None) -> tuple[list[RequestTiming], float]:
     "Send the workload at `request_rate`; every request's timing, and the seconds from the first send to the last end."
-    import httpx
+    import aiohttp
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=len(workload.prompts) + 8)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=3600, limits=limits) as http:
+    # subtle: a client as light as vLLM's own benchmark's (aiohttp): it shares the machine's cores with the server
+    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=3600),
+                                     connector=aiohttp.TCPConnector(limit=0)) as http:
         start = time.perf_counter()
         async def one(at, prompt, n):
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            return await stream_request(http, model, prompt, n)
+            return await stream_request(http, url, model, prompt, n)
         timings = await asyncio.gather(*(one(at, p, n) for at, p, n in zip(
             arrival_times(len(workload.prompts), request_rate, seed), workload.prompts, workload.output_lens)))
     return list(timings), max(t.end for t in timings) - start
@@ -141,6 +143,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offline", action="store_true", help="also run the offline engine (`LLM.generate`) on the "
                    "same workload, for the served/offline ratio")
     p.add_argument("--repeats", type=int, default=1, help="runs of each server, in alternating order")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="each server started sends a stream's news every N tokens (both servers' --stream-interval)")
     p.add_argument("--request-rate", type=_rate, nargs="+", default=[math.inf], metavar="RATE",
                    help="requests per second (a Poisson process), one run each; inf = all at once")
     p.add_argument("--num-prompts", type=int, default=64, help="requests per run")
@@ -155,7 +159,7 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_WORKER_MULTIPROC_METHOD": "spaw
 class VllmServer:
     "`vllm serve` (its OpenAI server module) on `model`, run by `python` from an environment with vLLM, on a free loopback port."
     def __init__(self, python: str | Path, model: str | Path, dtype: str = "float32", max_model_len: int = 1024,
-                 timeout_s: float = 900.0):
+                 timeout_s: float = 900.0, stream_interval: int = 1):
         import httpx
         from minivllm.config import has_tokenizer
         from minivllm.distributed import free_port
@@ -164,6 +168,7 @@ class VllmServer:
         command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
                    "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
                    "--max-num-seqs", "256"] + ([] if has_tokenizer(Path(model)) else ["--skip-tokenizer-init"])
+        command += ["--stream-interval", str(stream_interval)] if stream_interval > 1 else []
         try:
             self.proc = subprocess.Popen(command, env=os.environ | VLLM_ENV, stdout=self.log, stderr=subprocess.STDOUT,
                                          start_new_session=True)  # its own group: stopping it stops its workers
@@ -223,8 +228,9 @@ def start_server(engine: str, a: argparse.Namespace, model: Path, longest: int):
     "A server of `model` for `engine` ('minivllm serve' or 'vllm serve'), started as the options say."
     print(f"starting {engine} ...", file=sys.stderr, flush=True)
     if engine == "vllm serve":
-        return VllmServer(a.vllm_python, model, a.dtype, max(1024, longest))
-    return ServerProcess("--model", str(model), "--tp", str(a.tp), "--dtype", a.dtype)
+        return VllmServer(a.vllm_python, model, a.dtype, max(1024, longest), stream_interval=a.stream_interval)
+    return ServerProcess("--model", str(model), "--tp", str(a.tp), "--dtype", a.dtype,
+                         "--stream-interval", str(a.stream_interval))
 
 def ratios(runs: list[dict], offline: list[float]) -> list[str]:
     "Lines of the throughput ratios that one run can tell: minivllm to vLLM, and served to offline, per rate."
