@@ -28,7 +28,8 @@ if TYPE_CHECKING:  # aiohttp and httpx are the serving benchmark's dependencies,
 
 # %% auto #0
 __all__ = ['VLLM_ENV', 'RequestTiming', 'stream_request', 'arrival_times', 'run_clients', 'percentiles', 'summarize',
-           'format_row', 'add_arguments', 'VllmServer', 'serve_runs', 'start_server', 'ratios', 'run']
+           'format_row', 'add_arguments', 'VllmServer', 'descendants', 'cpu_seconds', 'serve_runs', 'start_server',
+           'ratios', 'run']
 
 # %% ../../nbs/14a_bench_serve.ipynb #a49a4048
 @dataclass
@@ -125,7 +126,9 @@ def format_row(s: dict) -> str:
     rate = "all at once" if math.isinf(s["request_rate"]) else f"{s['request_rate']:g} req/s"
     return (f"{rate:>12}: {s['tokens_per_s']:7.0f} tok/s  TTFT p50 {s['ttft_ms']['p50']:7.0f} ms  p90 "
             f"{s['ttft_ms']['p90']:7.0f} ms   TPOT p50 {s['tpot_ms']['p50']:6.1f} ms  p90 {s['tpot_ms']['p90']:6.1f} ms"
-            + (f"   {s['failed']} failed" if s["failed"] else ""))
+            + (f"   {s['failed']} failed" if s["failed"] else "")
+            + ("   CPU s: server {server:.2f}, engine {engine:.2f}, client {client:.2f}".format(**s["cpu_seconds"])
+               if "cpu_seconds" in s else ""))
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     "The options of `minivllm bench serve` (the command line, notebook 15, owns the parser)."
@@ -207,7 +210,32 @@ class VllmServer:
         self.log.close()
 
 # %% ../../nbs/14a_bench_serve.ipynb #a5650ba7
-def serve_runs(url: str, workload: Workload, a: argparse.Namespace, vocab: int, engine: str) -> list[dict]:
+def descendants(pid: int) -> list[int]:
+    "The processes that `pid` started, and theirs, and so on (from the parent of each process in /proc)."
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])  # subtle: names may hold ')'
+            except OSError:  # gone meanwhile
+                pass
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        kids = [p for p, parent in parents.items() if parent == current]
+        found += kids; todo += kids
+    return found
+
+def cpu_seconds(server_pid: int) -> dict[str, float]:
+    "CPU seconds so far of a server's own process, of the processes under it (its engine), and of this one (the client)."
+    from minivllm.engine.model_runner import process_ticks
+    hz = os.sysconf("SC_CLK_TCK")
+    return {"server": process_ticks([server_pid]) / hz, "engine": process_ticks(descendants(server_pid)) / hz,
+            "client": time.process_time()}
+
+def serve_runs(url: str, workload: Workload, a: argparse.Namespace, vocab: int, engine: str,
+               server_pid: int | None = None) -> list[dict]:
     "Warm a server up, then one run of the workload per request rate; each run's summary, labelled with `engine`."
     import httpx
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
@@ -217,8 +245,11 @@ def serve_runs(url: str, workload: Workload, a: argparse.Namespace, vocab: int, 
                             a.api_key))
     runs = []
     for rate in a.request_rate:
+        before = cpu_seconds(server_pid) if server_pid is not None else None
         timings, seconds = asyncio.run(run_clients(url, name, workload, rate, a.seed, a.api_key))
         runs.append(summarize(timings, seconds, rate) | {"engine": engine})
+        if before is not None:  # where the run's CPU time went: the API server, its engine, this client
+            runs[-1]["cpu_seconds"] = {k: round(v - before[k], 2) for k, v in cpu_seconds(server_pid).items()}
         print(f"{engine:>16} {format_row(runs[-1])}", flush=True)
         if runs[-1]["failed"]:
             print(f"first failure: {next(t.error for t in timings if t.error)}", file=sys.stderr, flush=True)
@@ -264,7 +295,8 @@ def run(a: argparse.Namespace) -> int:
             for engine in engines if repeat % 2 == 0 else engines[::-1]:
                 server = start_server(engine, a, model, longest)
                 try:
-                    runs += [r | {"repeat": repeat} for r in serve_runs(server.url, workload, a, vocab, engine)]
+                    runs += [r | {"repeat": repeat} for r in serve_runs(server.url, workload, a, vocab, engine,
+                                                                         server.proc.pid)]
                 finally:
                     server.stop()
             if a.offline:
