@@ -244,9 +244,11 @@ def serve_runs(url: str, workload: Workload, a: argparse.Namespace, vocab: int, 
     asyncio.run(run_clients(url, name, Workload.make(vocab, 8, (16, 256), (4, 8), a.seed + 1), math.inf, a.seed,
                             a.api_key))
     runs = []
-    for rate in a.request_rate:
+    for i, rate in enumerate(a.request_rate):
         before = cpu_seconds(server_pid) if server_pid is not None else None
-        timings, seconds = asyncio.run(run_clients(url, name, workload, rate, a.seed, a.api_key))
+        # subtle: each rate's requests are new to the server's prefix cache, so no run prefills less than the first
+        requests = workload.salted(i, vocab) if i else workload
+        timings, seconds = asyncio.run(run_clients(url, name, requests, rate, a.seed, a.api_key))
         runs.append(summarize(timings, seconds, rate) | {"engine": engine})
         if before is not None:  # where the run's CPU time went: the API server, its engine, this client
             runs[-1]["cpu_seconds"] = {k: round(v - before[k], 2) for k, v in cpu_seconds(server_pid).items()}

@@ -41,6 +41,11 @@ class Workload:
     @property
     def output_tokens(self) -> int: return sum(self.output_lens)
 
+    def salted(self, salt: int, vocab_size: int) -> Workload:
+        "The same lengths, each prompt's first token moved by `salt`: a server's prefix cache holds none of it yet."
+        # subtle: the cache hashes each block with all the blocks before it, so a new first token makes every block new
+        return Workload([[(p[0] + salt) % vocab_size, *p[1:]] for p in self.prompts], list(self.output_lens))
+
     def sampling_params(self) -> list[SamplingParams]:
         "Greedy, exactly `output_len` tokens per request."
         from minivllm.engine.scheduler import SamplingParams
