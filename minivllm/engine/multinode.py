@@ -115,7 +115,12 @@ class Heartbeat:
 
     def report(self, text: str) -> None:
         "Leave `text` (how this rank failed), signed, where rank 0 looks; nobody to tell if rank 0 is gone."
-        try: self._store.set(f"error/{self.rank}", self.key.sign(text.encode(), f"error/{self.rank}"))
+        name = f"error/{self.rank}"
+        try:
+            self._store.set(name, self.key.sign(text.encode(), name))
+            # subtle: a store's `set` does not wait for the store to take it; a round trip on the same connection does,
+            # so the report is readable by rank 0 when this returns (rank 0 then names the cause, not a silence)
+            self._store.check([name])
         except Exception: pass
 
     def close(self) -> None:
