@@ -6,7 +6,8 @@
 - `execute_notebooks`: runs notebooks the way `nbdev_test` does (execnb's `CaptureShell`, one fresh process per
   notebook, the working directory `nbs/`, the repository root on `sys.path`, two at a time), skipping the cells that
   `nbdev_test` skips (flags in settings.ini's `tst_flags` such as `slow` and `cuda`, and `#| eval: false`), and keeps
-  the executed copies in a cache keyed by everything that can change their outputs.
+  the executed copies in a cache keyed by everything that can change their outputs. The docs build and
+  tests/test_notebooks.py both run notebooks through it, so CI runs each notebook once per commit, not twice.
 - `render_readme`: the README, GitHub-flavoured markdown, through nbconvert's markdown exporter.
 
 Why execute at build time: the notebooks are stored with their figures' images only (docs/keep_figures.py), and the
@@ -144,10 +145,13 @@ def process_notebook(nb: dict, *, flags: set[str] = frozenset(), mark_not_run: b
 # Execution (with a cache)
 
 def _environment_key() -> bytes:
-    "Everything besides the notebook that can change what it prints: the package, this file, settings, versions."
+    "Everything besides the notebook that can change what it prints: the package, data in nbs/, this file, settings, versions."
     h = hashlib.sha256()
     for p in sorted((ROOT / "minivllm").rglob("*")):  # code, and data it ships (a default model's weights)
         if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc":
+            h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes())
+    for p in sorted(NBS.iterdir()):  # data the notebooks read and draw (measured figures such as bench_serve.json)
+        if p.is_file() and p.suffix != ".ipynb":
             h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes())
     h.update(Path(__file__).read_bytes())
     h.update(" ".join(sorted(tst_flags())).encode())
@@ -181,13 +185,22 @@ def _run_child(src: Path, dst: Path, timeout: float) -> tuple[Path, float]:
     return dst, time.time() - start
 
 
+def _retried_marker(cached: Path) -> Path:
+    "The file that says an executed copy passed only on its second try (a notebook that failed once beside another)."
+    return cached.with_suffix(".retried")
+
+
 def execute_notebooks(paths: list[Path], *, use_cache: bool = True, jobs: int = 2, timeout: float = 900,
-                      log=print) -> dict[Path, Path]:
-    "Executed copies of `paths` (from the cache when nothing they depend on changed). Raises NotebookError on failure."
+                      log=print, retry: bool = True) -> dict[Path, Path]:
+    """Executed copies of `paths` (from the cache when nothing they depend on changed). Raises NotebookError on failure.
+
+    With `retry`, a notebook that fails is run once more, alone, and its copy is marked as passed on a second try;
+    without, a failure is final and a marked copy does not count (the notebook runs again): what the tests ask."""
     CACHE.mkdir(parents=True, exist_ok=True)
     env_key = _environment_key()
     targets = {p: _cache_path(p, env_key) for p in paths}
-    todo = [p for p, c in targets.items() if not (use_cache and c.exists())]
+    todo = [p for p, c in targets.items()
+            if not (use_cache and c.exists() and (retry or not _retried_marker(c).exists()))]
     if len(todo) < len(paths):
         log(f"docs: {len(paths) - len(todo)} notebook(s) unchanged, outputs taken from {CACHE.relative_to(ROOT)}/")
     if todo:
@@ -198,9 +211,12 @@ def execute_notebooks(paths: list[Path], *, use_cache: bool = True, jobs: int = 
             for p, fut in futures.items():
                 try:
                     _, secs = fut.result()
+                    _retried_marker(targets[p]).unlink(missing_ok=True)
                     log(f"docs:   {p.name} executed in {secs:.0f} s")
                 except (NotebookError, subprocess.TimeoutExpired) as e:
                     failed[p] = str(e)
+        if not retry and failed:
+            raise NotebookError("\n\n".join(failed.values()))
         # subtle: notebooks that spawn rank processes share the machine (free ports, CPU) with the one running beside
         # them; a failure is retried once, alone, so that only a notebook that fails by itself fails the build
         errors = []
@@ -208,14 +224,15 @@ def execute_notebooks(paths: list[Path], *, use_cache: bool = True, jobs: int = 
             log(f"docs:   {p.name} failed; running it again on its own. First failure:\n{first[-3000:]}")
             try:
                 _, secs = _run_child(p, targets[p], timeout)
+                _retried_marker(targets[p]).touch()
                 log(f"docs:   {p.name} executed in {secs:.0f} s on the second try")
             except (NotebookError, subprocess.TimeoutExpired) as e:
                 errors.append(str(e))
         if errors:
             raise NotebookError("\n\n".join(errors))
-    for p, c in targets.items():  # drop stale copies of these notebooks
-        for old in CACHE.glob(f"{p.stem}.*.ipynb"):
-            if old != c:
+    for p, c in targets.items():  # drop stale copies of these notebooks, and their marks
+        for old in [*CACHE.glob(f"{p.stem}.*.ipynb"), *CACHE.glob(f"{p.stem}.*.retried")]:
+            if old not in (c, _retried_marker(c)):
                 old.unlink(missing_ok=True)
     return targets
 
