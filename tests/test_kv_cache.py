@@ -294,6 +294,20 @@ def test_decode_matches_dense(dtype, heads, block_size, backend):
     assert longest != list(range(longest[0], longest[0] + len(longest)))  # its blocks are scattered
 
 
+@pytest.mark.skipif(not HAS_CPU_KERNEL, reason="the CPU decode kernel could not be built here")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, head_dim", [((9, 3), 64), ((8, 2), 64), ((12, 2), 64), ((16, 8), 128), ((6, 2), 128),
+                                             ((6, 2), 80), ((4, 4), 64), ((2, 1), 256)])
+def test_cpu_kernel_matches_dense_for_real_head_shapes(dtype, heads, head_dim):
+    "Head sizes the kernel unrolls (64, 128) and others (80, 256), 1 to 6 query heads per KV head: equal to dense attention."
+    lengths = [1, 16, 17, 40, 3]
+    case = PagedCase(lengths, 16, *heads, dtype, head_dim=head_dim, seed=6)
+    last = [n - 1 for n in lengths]
+    case.store_prefix(last)
+    out = case.run(Attention(*case.attn_args, backend="cpu"), last, None, decode_metadata(case.tables, lengths, 16))
+    torch.testing.assert_close(out.float(), torch.stack([e[-1] for e in case.expected]), **TOL[dtype])
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_decode_padding_rows_store_nothing_and_leave_real_rows_alone(backend):
     "A CUDA-graph-style padded decode batch: slot -1, context length 0, block table of -1."
