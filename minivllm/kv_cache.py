@@ -34,10 +34,11 @@ except ImportError:
 
 # %% auto #0
 __all__ = ['TRITON_RUNS_ON_CPU', 'DECODE_GROUP_SIZE', 'CPU_KERNEL_SOURCE', 'CPU_DECODE_DTYPES', 'allocate_kv_cache',
-           'kv_cache_bytes_per_block', 'slot_mapping', 'store_kvcache_torch', 'store_kvcache_triton', 'store_kvcache',
+           'kv_cache_bytes_per_block', 'slot_mapping', 'store_kvcache_torch', 'store_kvcache_triton',
            'AttentionMetadata', 'prefill_metadata', 'decode_metadata', 'length_groups', 'attention_reference',
            'causal_mask', 'attention_sdpa', 'gather_kv', 'decode_attention', 'paged_attention_torch',
-           'cpu_decode_kernel', 'paged_decode_attention_cpu', 'paged_attention_flash', 'attention_backend', 'Attention']
+           'cpu_decode_kernel', 'cpu_store_kernel', 'paged_decode_attention_cpu', 'store_kvcache',
+           'paged_attention_flash', 'attention_backend', 'Attention']
 
 # %% ../nbs/06_kv_cache.ipynb #6a3455bc
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -119,13 +120,6 @@ def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.
         return
     _store_kvcache_kernel[(T,)](key, key.stride(0), value, value.stride(0), k_cache, v_cache, slot_mapping,
                                 D=D, BLOCK=triton.next_power_of_2(D))
-
-# %% ../nbs/06_kv_cache.ipynb #e7cf03d2
-def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
-    "Write each token's key and value into its cache slot (`-1`: skip): Triton on CUDA if installed, else torch."
-    store = store_kvcache_triton if HAS_TRITON and key.is_cuda else store_kvcache_torch
-    store(key, value, k_cache, v_cache, slot_mapping)
 
 # %% ../nbs/06_kv_cache.ipynb #091ad1e6
 @dataclass
@@ -282,24 +276,31 @@ def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
 
 # %% ../nbs/06_kv_cache.ipynb #c908749c
 CPU_KERNEL_SOURCE = CPU_VECTOR_HELPERS + r"""
+constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead of the row it reads the kernel asks for the next (measured)
+
 // One sequence's decode attention, every head: D = 16 * DC (DCT = DC when known when compiling, 0 when not); the
 // caches hold T (float or bfloat16), the math is float32's
 template <int DCT, typename T>
 static void attend_one(const float* q, const T* kp, const T* vp, const int32_t* table, int64_t n, int64_t bs,
                        int64_t H, int64_t KVH, int64_t D, float scale, float* out, std::vector<float>& buf) {
   const int64_t DC = DCT ? DCT : (D + 15) / 16, last = D - 16 * (DC - 1);  // chunks per head; lanes of the last
-  const int64_t G = H / KVH, row = KVH * D, np = (n + 15) / 16 * 16, bytes = bs * row * sizeof(T);
+  const int64_t G = H / KVH, row = KVH * D, np = (n + 15) / 16 * 16, row_bytes = row * sizeof(T);
   buf.resize(H * DC * 16 + H * np);
   float* acc = buf.data();                // [H, DC * 16]: the scaled queries, then the weighted sum of values
   float* sc = buf.data() + H * DC * 16;   // [H, np]: scores, then softmax numerators
   auto lanes = [&](int64_t c) { return c == DC - 1 ? last : 16; };
-  // token t's row of a cache (all its KV heads); at a block's first token, ask for the next block while this one
-  // is read: the blocks of a sequence lie anywhere in the cache, where the hardware's prefetcher cannot guess them
-  auto row_of = [&](const T* cache, int64_t t) {
-    if (t % bs == 0 && t + bs < n)
-      for (int64_t off = 0; off < bytes; off += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(cache + std::max(table[t / bs + 1], 0) * bs * row) + off);
+  auto at = [&](const T* cache, int64_t t) {  // token t's row of a cache: its keys (or values) for all KV heads
     return cache + (static_cast<int64_t>(std::max(table[t / bs], 0)) * bs + t % bs) * row;
+  };
+  // while token t is read, ask for the row PREFETCH_BYTES ahead: the blocks of a sequence lie anywhere in the cache,
+  // where the hardware's prefetcher cannot guess them, and a steady few lines per token keep the memory busy
+  const int64_t ahead = std::min<int64_t>(64, (PREFETCH_BYTES + row_bytes - 1) / row_bytes);
+  auto row_of = [&](const T* cache, int64_t t) {
+    if (t + ahead < n) {
+      const char* next = reinterpret_cast<const char*>(at(cache, t + ahead));
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next + off);
+    }
+    return at(cache, t);
   };
   for (int64_t h = 0; h < H; ++h)
     for (int64_t c = 0; c < DC; ++c) store(acc + (h * DC + c) * 16, load_part(q + h * D + 16 * c, lanes(c)) * scale);
@@ -414,9 +415,39 @@ at::Tensor paged_decode_attention(const at::Tensor& q_, const at::Tensor& k_cach
   return out.to(dtype);
 }
 
+// token i's keys and values (one row of KVH * D numbers each) copied into slot slot_mapping[i] of the caches; < 0: none
+void store_kvcache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+              k_cache.size(2) == key.size(1) && k_cache.size(3) == key.size(2), "expected keys and values [T, KVH, D] and "
+              "caches [blocks, block_size, KVH, D] of one shape");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type() &&
+              v_cache.scalar_type() == k_cache.scalar_type(), "keys, values and caches must have one dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0),
+              "slot_mapping must be int64 with one slot per token");
+  // a token's row must be one run of memory (a view into the qkv projection's output is); anything else is copied
+  auto rows = [](const at::Tensor& x) { return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous(); };
+  const at::Tensor k = rows(key), v = rows(value), slots = slot_mapping.contiguous();
+  const int64_t T = k.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t bytes = k.size(1) * k.size(2) * k.element_size();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T; ++i)  // memory safety first: every slot written must exist
+    TORCH_CHECK(s[i] < num_slots, "slot ", s[i], " is not in the cache's ", num_slots, " slots");
+  const char *kp = static_cast<const char*>(k.data_ptr()), *vp = static_cast<const char*>(v.data_ptr());
+  char *kc = static_cast<char*>(k_cache.data_ptr()), *vc = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t i = 0; i < T; ++i) {
+    if (s[i] < 0) continue;
+    std::memcpy(kc + s[i] * bytes, kp + i * k.stride(0) * k.element_size(), bytes);
+    std::memcpy(vc + s[i] * bytes, vp + i * v.stride(0) * v.element_size(), bytes);
+  }
+}
+
 TORCH_LIBRARY(minivllm_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+  m.def("store_kvcache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.impl("store_kvcache", c10::DispatchKey::CPU, TORCH_FN(store_kvcache));
 }
 """
 
@@ -425,10 +456,27 @@ def cpu_decode_kernel():
     "The compiled CPU decode-attention op (built once per machine, notebook 04a), or None where it cannot be built."
     return torch.ops.minivllm_cpu.paged_decode_attention if build_cpu_extension("minivllm_cpu", CPU_KERNEL_SOURCE) else None
 
+@functools.cache
+def cpu_store_kernel():
+    "The compiled CPU cache store (built with the decode kernel, the same library), or None where it cannot be built."
+    return torch.ops.minivllm_cpu.store_kvcache if cpu_decode_kernel() is not None else None
+
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
     "Decode attention `[B, H, D]` by the C++ kernel, reading the paged cache in place (float32 or bfloat16, CPU)."
     return cpu_decode_kernel()(q, k_cache, v_cache, metadata.block_tables, metadata.context_lens, scale)
+
+# %% ../nbs/06_kv_cache.ipynb #e7cf03d2
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    "Write each token's key and value into its cache slot (`< 0`: skip): Triton on CUDA, C++ on the CPU, else torch."
+    if key.is_cuda:
+        store = store_kvcache_triton if HAS_TRITON else store_kvcache_torch
+    else:
+        store = cpu_store_kernel() or store_kvcache_torch
+    if store is not store_kvcache_torch:
+        _check_store_args(key, value, k_cache, v_cache, slot_mapping)  # one error message for every store
+    store(key, value, k_cache, v_cache, slot_mapping)
 
 # %% ../nbs/06_kv_cache.ipynb #f6c65ba6
 def paged_attention_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None,

@@ -1,4 +1,4 @@
-"""The paged KV cache against plain torch: layout, slot mapping, the store (Triton kernel == torch fallback),
+"""The paged KV cache against plain torch: layout, slot mapping, the store (Triton kernel, C++ store == torch fallback),
 attention metadata, and paged attention (variable-length prefill, cached prefix, decode) == dense causal attention."""
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def test_store_rejects_bad_arguments():
         store_kvcache(key, value[:4], k_cache, v_cache, slots)
 
 
-def test_store_dispatcher_uses_the_fallback_on_cpu(monkeypatch):
+def test_store_dispatcher_on_cpu_writes_what_the_fallback_writes(monkeypatch):
     "On CPU tensors the dispatcher never calls the Triton kernel (the interpreter is for checking only)."
     def no_triton(*args): raise AssertionError("store_kvcache_triton was called on CPU tensors")
     monkeypatch.setattr(kv, "store_kvcache_triton", no_triton)
@@ -95,6 +95,43 @@ def test_store_dispatcher_uses_the_fallback_on_cpu(monkeypatch):
     store_kvcache(key, value, k_cache, v_cache, slots)
     store_kvcache_torch(key, value, k_ref, v_ref, slots)
     torch.testing.assert_close((k_cache, v_cache), (k_ref, v_ref), **EXACT)
+
+
+needs_cpu_kernel = pytest.mark.skipif(not HAS_CPU_KERNEL, reason="the CPU kernels could not be built here")
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+def test_store_cpu_kernel_matches_torch(dtype):
+    "The C++ store writes what the torch fallback writes, from views into a qkv output and contiguous keys alike."
+    g = torch.Generator().manual_seed(3)
+    T, heads, head_dim, num_blocks, block_size = 33, 3, 64, 5, 16
+    qkv = torch.randn(T, 3 * heads + 2, head_dim, generator=g).to(dtype)  # [T, q|k|v (+2 more q heads), head_dim]
+    key, value = qkv[:, 2:2 + heads], qkv[:, 2 + heads:2 + 2 * heads]
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:T]
+    slots[::5] = -1  # skipped tokens (CUDA-graph padding)
+    for k, v in ((key, value), (key.contiguous(), value.contiguous())):
+        ref = torch.zeros(2, num_blocks, block_size, heads, head_dim, dtype=dtype)
+        got = torch.zeros_like(ref)
+        store_kvcache_torch(k, v, ref[0], ref[1], slots)
+        kv.cpu_store_kernel()(k, v, got[0], got[1], slots)
+        torch.testing.assert_close(got, ref, **EXACT)
+        store_kvcache(k, v, got[0], got[1], slots)  # the dispatcher takes it on the CPU
+        torch.testing.assert_close(got, ref, **EXACT)
+
+
+@needs_cpu_kernel
+def test_store_cpu_kernel_rejects_what_it_cannot_write():
+    "A slot past the cache, a dtype that is not the cache's: errors that name the problem, and nothing written."
+    key, value, k_cache, v_cache, slots = tiny_store_inputs(torch.float32, seed=0)
+    store = kv.cpu_store_kernel()
+    with pytest.raises(RuntimeError, match="slot 12 is not in the cache's 12 slots"):
+        store(key, value, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 12]))
+    assert not k_cache.any() and not v_cache.any()  # checked before the first write
+    with pytest.raises(RuntimeError, match="one dtype"):
+        store(key.bfloat16(), value.bfloat16(), k_cache, v_cache, slots)
+    with pytest.raises(RuntimeError, match="caches must be contiguous"):
+        store(key, value, k_cache.transpose(0, 1), v_cache.transpose(0, 1), slots)
 
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
