@@ -16,7 +16,7 @@ import torch
 # %% auto #0
 __all__ = ['KERNEL_FLAGS', 'CPU_VECTOR_HELPERS', 'CPU_LAYER_KERNELS_SOURCE', 'CPU_KERNEL_DTYPES', 'cpu_kernels_enabled',
            'build_cpu_extension', 'layer_kernels', 'use_cpu_kernels', 'add_rms_norm', 'silu_and_mul',
-           'rotary_embedding']
+           'rotary_embedding', 'argmax_rows']
 
 # %% ../nbs/04a_cpu_kernels.ipynb #b755915d
 KERNEL_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast"]
@@ -275,7 +275,53 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions_, const at:
   return {q_out, k_out};
 }
 
+// each row's index of its first maximum, a NaN above every number (what torch's max(dim).indices and argmax give):
+// one pass, each lane keeping its own maximum and the first index that held it, then the lanes compared
+template <typename T>
+static int64_t argmax_row(const T* x, int64_t n) {
+  const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  v16 m = splat(-INFINITY); vi16 first = lane, nan = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const v16 v = load(x + i);
+    const vi16 more = v > m;  // subtle: strictly greater, so each lane keeps its first maximum
+    m = more ? v : m; first = more ? lane + static_cast<int32_t>(i) : first; nan |= v != v;
+  }
+  int64_t best = i ? first[0] : -1;
+  float top = i ? m[0] : -INFINITY;
+  bool any_nan = false;
+  for (int k = 0; k < 16; ++k) {
+    any_nan |= nan[k] != 0;
+    if (i && (m[k] > top || (m[k] == top && first[k] < best))) { top = m[k]; best = first[k]; }
+  }
+  for (; i < n; ++i) {
+    const float v = tof(x[i]);
+    any_nan |= v != v;
+    if (best < 0 || v > top) { top = v; best = i; }
+  }
+  if (any_nan)  // rare: the first NaN wins
+    for (int64_t j = 0; j < n; ++j) if (tof(x[j]) != tof(x[j])) return j;
+  return best;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x_) {
+  TORCH_CHECK(x_.dim() == 2 && x_.size(1) > 0 && x_.size(1) < (int64_t(1) << 31),
+              "argmax_rows takes [rows, n] with 0 < n < 2^31, got ", x_.sizes());
+  TORCH_CHECK(x_.scalar_type() == at::kFloat || x_.scalar_type() == at::kBFloat16, "argmax_rows takes float32 or bfloat16");
+  const at::Tensor x = x_.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  for_rows(rows, n, [&](int64_t r) {
+    o[r] = x.scalar_type() == at::kBFloat16 ? argmax_row(x.data_ptr<at::BFloat16>() + r * n, n)
+                                            : argmax_row(x.data_ptr<float>() + r * n, n);
+  });
+  return out;
+}
+
 TORCH_LIBRARY(minivllm_cpu_layers, m) {
+  m.def("argmax_rows(Tensor x) -> Tensor");
+  m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> Tensor[]");
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -311,3 +357,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     "`q`, `k` (`[T, heads, head_dim]` or `[T, heads * head_dim]`) rotated by the cos|sin rows at `positions`."
     q_out, k_out = layer_kernels().rotary_embedding(positions, q, k, cos_sin_cache, head_dim)
     return q_out, k_out
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    "Each row's index of its first maximum (`x.max(dim=-1).indices`) of `x` `[rows, n]`, by the C++ kernel."
+    return layer_kernels().argmax_rows(x)

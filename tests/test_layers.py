@@ -16,6 +16,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from minivllm.config import Config
 from minivllm.cpu_kernels import use_cpu_kernels
+from minivllm.layers.embed_head import first_max
 from minivllm.testing import hf_rope, hf_rotate
 from minivllm.layers.common import (GREEDY_TEMPERATURE, RMSNorm, RotaryEmbedding, Sampler, SiluAndMul, apply_min_p,
                                     apply_penalties, apply_top_k_top_p, check_sampling_inputs, exponential_noise,
@@ -521,6 +522,19 @@ def test_check_sampling_inputs_converts():
     assert (t.dtype, k.dtype, p.dtype, m) == (torch.float32, torch.int64, torch.float32, None)
     assert check_sampling_inputs(torch.zeros(2, 4), (0.5, 0.0), (3, -1), (0.9, 1.0), min_ps=[0, 0.5])[3].dtype == torch.float32
     assert k.tolist() == [3, -1] and math.isclose(t[0].item(), 0.5)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+def test_first_max_is_the_first_of_tied_maxima(dtype):
+    "The greedy token: what torch's max(dim=-1) picks (the C++ kernel on float32 and bfloat16), ties and NaNs included."
+    g = torch.Generator().manual_seed(4)
+    for n in (3, 16, 100, 49152):
+        logits = torch.randn(8, n, generator=g).mul(4).round().to(dtype)  # ties in every row
+        logits[1, n // 3] = float("nan")
+        logits[2] = float("-inf")
+        logits[3, -1] = float("inf")
+        assert first_max(logits).equal(logits.max(dim=-1).indices)
+        assert first_max(logits).equal(logits.float().argmax(-1))
 
 
 def test_cpu_kernels_switched_off_give_the_torch_path_bit_for_bit():

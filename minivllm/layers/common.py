@@ -15,6 +15,7 @@ from torch import nn
 
 from .. import cpu_kernels
 from ..config import Config, rope_type
+from .embed_head import first_max
 
 # %% auto #0
 __all__ = ['GREEDY_TEMPERATURE', 'RMSNorm', 'SiluAndMul', 'rope_inv_freq', 'checked_cos_sin', 'RotaryEmbedding', 'get_rope',
@@ -268,7 +269,7 @@ class Sampler(nn.Module):
                                                                      min_ps)
         logits = logits.float()
         greedy = temperatures < GREEDY_TEMPERATURE
-        greedy_tokens = logits.max(dim=-1).indices  # argmax (the first of tied maxima), a third of its CPU time
+        greedy_tokens = first_max(logits)  # argmax: the first of tied maxima
         if greedy.all():
             return greedy_tokens
         # subtle: greedy rows divide by 1, not 0; their sampled token is discarded below.
