@@ -470,13 +470,12 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     "Write each token's key and value into its cache slot (`< 0`: skip): Triton on CUDA, C++ on the CPU, else torch."
-    if key.is_cuda:
-        store = store_kvcache_triton if HAS_TRITON else store_kvcache_torch
-    else:
-        store = cpu_store_kernel() or store_kvcache_torch
-    if store is not store_kvcache_torch:
-        _check_store_args(key, value, k_cache, v_cache, slot_mapping)  # one error message for every store
-    store(key, value, k_cache, v_cache, slot_mapping)
+    kernel = None if key.is_cuda else cpu_store_kernel()
+    if kernel is None:  # the Triton and torch stores check their own arguments
+        store = store_kvcache_triton if HAS_TRITON and key.is_cuda else store_kvcache_torch
+        return store(key, value, k_cache, v_cache, slot_mapping)
+    _check_store_args(key, value, k_cache, v_cache, slot_mapping)  # the same messages as the other stores
+    kernel(key, value, k_cache, v_cache, slot_mapping)
 
 # %% ../nbs/06_kv_cache.ipynb #f6c65ba6
 def paged_attention_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None,
