@@ -86,6 +86,47 @@ def test_greedy_matches_with_preemption_prefix_hits_and_chunked_prefill(case, tp
         assert max(len(p) for p in prompts) > 32, "a prompt longer than the token budget is prefilled in chunks"
 
 
+def as_if_cores_were_shared(llm: LLM, monkeypatch) -> list[int]:
+    "Make the engine's ThreadPolicy see another process on one of two cores, with tiny prefills worth streams; the streams' counts."
+    from minivllm.engine import model_runner
+    policy, runner = llm.runner.threads, llm.runner
+    policy.max_threads, policy.choose = 2, lambda: 1
+    monkeypatch.setattr(model_runner, "MIN_STREAM_TOKENS", 4)
+    counts, streamed = [], runner._streamed_hidden
+    runner._streamed_hidden = lambda parts, kv_cache: counts.append(len(parts)) or streamed(parts, kv_cache)
+    return counts
+
+
+def test_prefills_in_streams_give_the_tokens_of_one_stream(case, monkeypatch):
+    "Prefills cut into streams (chunked, preempted, with prefix hits) give transformers' greedy tokens and the seeded draws of one stream."
+    path, prompts, expected = case
+    kw = dict(max_model_len=96, kvcache_block_size=4, num_kvcache_blocks=24, max_num_batched_tokens=32, max_num_seqs=8)
+    with LLM(path, **kw) as llm:
+        sampled = [o.token_ids for o in llm.generate(prompts, SEEDED, use_tqdm=False)]
+    with LLM(path, **kw) as llm:
+        counts = as_if_cores_were_shared(llm, monkeypatch)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        assert counts and set(counts) == {2}, "prefills should have run in two streams"
+        assert llm.scheduler.block_manager.prefix_cache_hit_blocks > 0 and llm.scheduler.num_preemptions > 0
+        assert [o.token_ids for o in llm.generate(prompts, SEEDED, use_tqdm=False)] == sampled
+
+
+def test_a_stream_that_fails_fails_the_step_and_leaves_no_thread(tiny, monkeypatch):
+    "An error in a stream other than the engine's own thread is the step's error; closing leaves no stream thread."
+    import threading
+    with LLM(tiny, max_model_len=64) as llm:
+        counts = as_if_cores_were_shared(llm, monkeypatch)
+        runner, forward = llm.runner, llm.runner._hidden_at_last_tokens
+        def fail_elsewhere(step, kv_cache):
+            if threading.current_thread() is not threading.main_thread():
+                raise RuntimeError("a stream failed")
+            return forward(step, kv_cache)
+        runner._hidden_at_last_tokens = fail_elsewhere
+        with pytest.raises(RuntimeError, match="a stream failed"):
+            llm.generate([[1, 2, 3, 4, 5], [6, 7, 8, 9]], GREEDY, use_tqdm=False)
+        assert counts == [2]
+    assert not [t for t in threading.enumerate() if t.name.startswith("minivllm-stream")]
+
 def test_prefix_cache_hits_are_reported_per_request(case):
     path, prompts, expected = case
     with LLM(path, max_model_len=128, kvcache_block_size=8) as llm:

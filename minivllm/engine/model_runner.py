@@ -5,10 +5,13 @@
 # %% ../../nbs/11_model_runner.ipynb #b0d74a55
 from __future__ import annotations
 
+import bisect
 import gc
+import itertools
 import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -29,9 +32,10 @@ from ..layers.common import GREEDY_TEMPERATURE, Sampler, apply_penalties, mask_t
 from ..models import build_model, load_checkpoint
 
 # %% auto #0
-__all__ = ['EngineArgs', 'StepInputs', 'SamplingInputs', 'StepOutput', 'available_memory_bytes', 'cpu_kv_cache_budget',
-           'cuda_kv_cache_budget', 'blocks_for_budget', 'threads_for_load', 'cpu_ticks', 'process_ticks',
-           'ThreadPolicy', 'ModelRunner', 'run_batch', 'run_until_done']
+__all__ = ['MIN_STREAM_TOKENS', 'EngineArgs', 'StepInputs', 'SamplingInputs', 'StepOutput', 'available_memory_bytes',
+           'cpu_kv_cache_budget', 'cuda_kv_cache_budget', 'blocks_for_budget', 'threads_for_load', 'cpu_ticks',
+           'process_ticks', 'ThreadPolicy', 'prefill_streams', 'split_step', 'ModelRunner', 'run_batch',
+           'run_until_done']
 
 # %% ../../nbs/11_model_runner.ipynb #a6f39f7a
 @dataclass
@@ -293,6 +297,30 @@ class ThreadPolicy:
         return (f"ThreadPolicy({self.threads} of {self.max_threads} threads per rank, {len(self.cpus)} cores, "
                 f"{load} busy elsewhere{', fixed' if self.fixed else ''})")
 
+# %% ../../nbs/11_model_runner.ipynb #daeb0912
+MIN_STREAM_TOKENS = 256  # a prefill stream's fewest tokens: fewer rows and its GEMMs fall below the machine's peak
+
+def prefill_streams(num_new_tokens: list[int], threads: int, max_threads: int) -> int:
+    "How many streams of one thread a CPU prefill runs in: one per core we may use when others share them, else 1."
+    if threads >= max_threads:
+        return 1  # subtle: on cores of our own, the intra-op threads split each op evenly: as fast, one stream
+    return max(1, min(max_threads, len(num_new_tokens), sum(num_new_tokens) // MIN_STREAM_TOKENS))
+
+def split_step(step: StepInputs, parts: int) -> list[StepInputs]:
+    "The step's sequences in `parts` consecutive groups (fewer if it has fewer sequences) of about equal new tokens."
+    check_positive_int("parts", parts)
+    n, parts = len(step.num_new_tokens), min(parts, len(step.num_new_tokens))
+    tokens = list(itertools.accumulate(step.num_new_tokens))  # tokens[i]: new tokens of sequences 0..i
+    cuts = [0]
+    for g in range(1, parts):  # group g starts at the first sequence past g/parts of the tokens, none left empty
+        first = bisect.bisect_left(tokens, tokens[-1] * g / parts) + 1
+        cuts.append(min(max(first, cuts[-1] + 1), n - (parts - g)))
+    cuts.append(n)
+    starts = [0] + tokens
+    return [replace(step, input_ids=step.input_ids[starts[a]:starts[b]], num_computed_tokens=step.num_computed_tokens[a:b],
+                    num_new_tokens=step.num_new_tokens[a:b], block_tables=step.block_tables[a:b])
+            for a, b in zip(cuts, cuts[1:])]
+
 # %% ../../nbs/11_model_runner.ipynb #13ae0926
 class ModelRunner:
     "One rank's sharded model, KV-cache shard and (rank 0) sampler; `run` computes a scheduled step."
@@ -306,6 +334,7 @@ class ModelRunner:
         self.block_size = args.kvcache_block_size
         self.device = torch.device(f"cuda:{self.layout.local_rank(rank)}" if args.device == "cuda" else "cpu")
         self._old_threads = torch.get_num_threads()
+        self._streams: ThreadPoolExecutor | None = None  # a CPU prefill's streams past the first (made when first needed)
         if self.world_size > 1 and port is None and listener is None and store is None:
             raise ValueError("tensor_parallel_size > 1 needs the port of the group's rendezvous")
         self.config = Config.from_pretrained(args.model, tensor_parallel_size=self.world_size, dtype=args.dtype)
@@ -361,6 +390,9 @@ class ModelRunner:
         gc.collect()
         if self.comm is not None:
             self.comm.close()
+        if self._streams is not None:
+            self._streams.shutdown()
+            self._streams = None
         torch.set_num_threads(self._old_threads)
 
 # %% ../../nbs/11_model_runner.ipynb #64a99172
@@ -445,12 +477,47 @@ def _last_hidden(self: ModelRunner, step: StepInputs, kv_cache: torch.Tensor | N
     if (kv_cache is not None and self.graphs is not None and not step.is_prefill
             and self.graphs.can_run(len(step.input_ids))):  # replay a captured decode graph
         return self.graphs.run(step.input_ids, step.context_lens, step.block_tables)  # the real rows only
+    streams = self._num_streams(step) if kv_cache is not None else 1
+    if streams > 1:
+        return self._streamed_hidden(split_step(step, streams), kv_cache)
+    return self._hidden_at_last_tokens(step, kv_cache)
+
+@patch
+def _hidden_at_last_tokens(self: ModelRunner, step: StepInputs, kv_cache: torch.Tensor | None) -> torch.Tensor:
+    "The forward pass of `step` in this thread: final hidden states `[B, hidden]` at each sequence's last new token."
     dev = self.device
     input_ids = torch.tensor(step.input_ids, dtype=torch.int64, device=dev)
     positions = torch.tensor(step.positions, dtype=torch.int64, device=dev)
     hidden = self.model(input_ids, positions, kv_cache, step.metadata(self.block_size, dev))
     # subtle: logits only at each sequence's last token; the LM head is the costliest layer for small models.
     return hidden[torch.tensor(step.last_token_rows, dtype=torch.int64, device=dev)]
+
+@patch
+def _num_streams(self: ModelRunner, step: StepInputs) -> int:
+    "This step's streams: a CPU prefill's `prefill_streams` on one rank under the load-chosen threads, else 1."
+    policy = self.threads
+    # subtle: ranks' collectives must meet in one order, which streams of a rank would not keep: TP runs one stream
+    if policy is None or policy.fixed is not None or self.world_size > 1 or not step.is_prefill:
+        return 1
+    return prefill_streams(step.num_new_tokens, step.num_threads or policy.threads, policy.max_threads)
+
+@patch
+def _streamed_hidden(self: ModelRunner, parts: list[StepInputs], kv_cache: torch.Tensor) -> torch.Tensor:
+    "The parts of a step computed at once, each in its own thread of one intra-op thread; their hidden states in order."
+    if self._streams is None:
+        self._streams = ThreadPoolExecutor(thread_name_prefix="minivllm-stream")
+    def stream(part: StepInputs) -> torch.Tensor:
+        torch.set_num_threads(1)  # subtle: OpenMP's thread count is each thread's own; set it where the ops run
+        with torch.no_grad():
+            return self._hidden_at_last_tokens(part, kv_cache)
+    threads = torch.get_num_threads()
+    futures = [self._streams.submit(stream, part) for part in parts[1:]]
+    try:
+        first = stream(parts[0])
+    finally:
+        wait(futures)  # subtle: even when this thread's part fails, no stream may write the cache after the step
+        torch.set_num_threads(threads)
+    return torch.cat([first, *(f.result() for f in futures)])
 
 @patch
 def _forward(self: ModelRunner, step: StepInputs, kv_cache: torch.Tensor | None) -> torch.Tensor | None:
