@@ -9,6 +9,7 @@ import functools
 import hashlib
 import logging
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -25,9 +26,16 @@ def cpu_kernels_enabled() -> bool:
     "Whether the C++ kernels may be used: they are, unless `MINIVLLM_CPU_KERNEL=0`."
     return os.environ.get("MINIVLLM_CPU_KERNEL", "1") != "0"
 
-@functools.cache
+_BUILDING = threading.Lock()  # one build or load at a time: threads may ask for a library at once (notebook 11's streams)
+
 def build_cpu_extension(name: str, source: str) -> bool:
     "Compile and load the C++ `source` (once per machine, then from the cache); whether its operators are in `torch.ops`."
+    with _BUILDING:
+        return _build_once(name, source)
+
+@functools.cache
+def _build_once(name: str, source: str) -> bool:
+    "`build_cpu_extension`'s work, done once per library in a process."
     if not cpu_kernels_enabled():
         return False
     cpu = ""
