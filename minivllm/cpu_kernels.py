@@ -13,11 +13,13 @@ import threading
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['KERNEL_FLAGS', 'CPU_VECTOR_HELPERS', 'CPU_LAYER_KERNELS_SOURCE', 'CPU_KERNEL_DTYPES', 'cpu_kernels_enabled',
-           'build_cpu_extension', 'layer_kernels', 'use_cpu_kernels', 'add_rms_norm', 'silu_and_mul',
-           'rotary_embedding', 'argmax_rows']
+__all__ = ['KERNEL_FLAGS', 'CPU_VECTOR_HELPERS', 'CPU_LAYER_KERNELS_SOURCE', 'CPU_KERNEL_DTYPES', 'BF16_PANEL',
+           'BF16_GEMM_SOURCE', 'cpu_kernels_enabled', 'build_cpu_extension', 'layer_kernels', 'use_cpu_kernels',
+           'add_rms_norm', 'silu_and_mul', 'rotary_embedding', 'argmax_rows', 'bf16_gemm', 'pack_bf16_panels',
+           'avx512bf16_linear']
 
 # %% ../nbs/04a_cpu_kernels.ipynb #b755915d
 KERNEL_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast"]
@@ -369,3 +371,126 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     "Each row's index of its first maximum (`x.max(dim=-1).indices`) of `x` `[rows, n]`, by the C++ kernel."
     return layer_kernels().argmax_rows(x)
+
+# %% ../nbs/04a_cpu_kernels.ipynb #055b4d89
+BF16_PANEL = 64  # output columns per panel of a packed weight: four AVX-512 registers of 16 float32 sums
+
+BF16_GEMM_SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <cstring>
+
+constexpr int64_t PANEL = 64;  // output columns per panel
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+constexpr bool HAS_AVX512_BF16 = true;
+constexpr int64_t TILE_ROWS = 6;  // rows per tile: 6 x 4 registers of sums, 4 of weights, 1 of inputs
+
+// R rows of x (each a row of bfloat16 pairs, read as 32-bit words, `ldx` a row) times one panel [pairs, 64, 2], plus
+// the panel's bias (float32, or null): the first `ncols` of its 64 columns into y, rounded to bfloat16 once; with
+// `next`, the next panel's bytes are fetched from memory meanwhile
+template <int R>
+static void tile(const uint32_t* x, int64_t ldx, const uint16_t* panel, const uint16_t* next, int64_t pairs,
+                 const float* bias, uint16_t* y, int64_t ldy, int64_t ncols) {
+  __m512 acc[R][4];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = bias ? _mm512_loadu_ps(bias + 16 * j) : _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* w = panel + p * 2 * PANEL;  // 64 columns x 2 inputs: 256 bytes, 4 registers
+    if (next != nullptr)
+      for (int line = 0; line < 4; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(next + p * 2 * PANEL) + 64 * line, _MM_HINT_T1);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32),
+                   w2 = (__m512bh)_mm512_loadu_si512(w + 64), w3 = (__m512bh)_mm512_loadu_si512(w + 96);
+    for (int i = 0; i < R; ++i) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[i * ldx + p]));  // row i's pair, every lane
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, w0); acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, w1);
+      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], a, w2); acc[i][3] = _mm512_dpbf16_ps(acc[i][3], a, w3);
+    }
+  }
+  for (int i = 0; i < R; ++i) {  // rounded to nearest even, as torch rounds float32 to bfloat16
+    uint16_t out[PANEL];
+    for (int j = 0; j < 4; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
+    std::memcpy(y + i * ldy, out, ncols * sizeof(uint16_t));  // the last panel's padding columns stay behind
+  }
+}
+
+// every tile of rows of one panel; the first asks for the next panel
+static void panel_times_rows(const uint32_t* x, int64_t M, int64_t pairs, const uint16_t* panel, const uint16_t* next,
+                             const float* bias, uint16_t* y, int64_t N, int64_t ncols) {
+  int64_t m = 0;
+  for (; m + TILE_ROWS <= M; m += TILE_ROWS)
+    tile<TILE_ROWS>(x + m * pairs, pairs, panel, m == 0 ? next : nullptr, pairs, bias, y + m * N, N, ncols);
+  const uint16_t* ahead = m == 0 ? next : nullptr;
+  switch (M - m) {  // the rows left over, fewer than a tile
+    case 1: tile<1>(x + m * pairs, pairs, panel, ahead, pairs, bias, y + m * N, N, ncols); break;
+    case 2: tile<2>(x + m * pairs, pairs, panel, ahead, pairs, bias, y + m * N, N, ncols); break;
+    case 3: tile<3>(x + m * pairs, pairs, panel, ahead, pairs, bias, y + m * N, N, ncols); break;
+    case 4: tile<4>(x + m * pairs, pairs, panel, ahead, pairs, bias, y + m * N, N, ncols); break;
+    case 5: tile<5>(x + m * pairs, pairs, panel, ahead, pairs, bias, y + m * N, N, ncols); break;
+    default: break;
+  }
+}
+#else
+constexpr bool HAS_AVX512_BF16 = false;
+#endif
+
+bool available() { return HAS_AVX512_BF16; }
+
+// y [rows, out] = x [rows, in] times the weight in panels [ceil(out / 64), ceil(in / 2), 64, 2] (+ bias), bfloat16
+at::Tensor linear(const at::Tensor& x_, const at::Tensor& panels, int64_t out_features, const c10::optional<at::Tensor>& bias_) {
+  TORCH_CHECK(HAS_AVX512_BF16, "this CPU has no AVX512_BF16: multiply with oneDNN's product or F.linear");
+  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kBFloat16, "expected x [rows, in] in bfloat16");
+  TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 && panels.size(2) == PANEL &&
+              panels.size(3) == 2 && panels.is_contiguous(), "expected panels [out / 64, in / 2, 64, 2] in bfloat16");
+  const int64_t M = x_.size(0), pairs = panels.size(1), num_panels = panels.size(0), N = out_features;
+  TORCH_CHECK((x_.size(1) + 1) / 2 == pairs, "x has ", x_.size(1), " inputs, the panels ", 2 * pairs, " (or one less)");
+  TORCH_CHECK(N >= 0 && (N + PANEL - 1) / PANEL == num_panels, "out_features ", N, " does not fill ", num_panels, " panels");
+  TORCH_CHECK(!bias_.has_value() || (bias_->dim() == 1 && bias_->size(0) == N), "expected a bias of out_features numbers");
+  auto y = at::empty({M, N}, x_.options());
+#if defined(__AVX512BF16__)
+  if (M == 0 || N == 0) return y;
+  // an odd count of inputs: a zero pairs with the panels' zero padding
+  const at::Tensor x = x_.size(1) % 2 ? at::constant_pad_nd(x_, {0, 1}) : x_.contiguous();
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  // the bias in float32, padded to whole panels: the sums start from it
+  const at::Tensor bias = bias_.has_value() ? at::constant_pad_nd(bias_->to(at::kFloat), {0, num_panels * PANEL - N}) : at::Tensor();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  const int64_t panel_size = pairs * 2 * PANEL;
+  at::parallel_for(0, num_panels, 1, [&](int64_t first, int64_t end) {
+    for (int64_t p = first; p < end; ++p)
+      panel_times_rows(xp, M, pairs, wp + p * panel_size, p + 1 < end ? wp + (p + 1) * panel_size : nullptr,
+                       bp ? bp + p * PANEL : nullptr, yp + p * PANEL, N, std::min(PANEL, N - p * PANEL));
+  });
+#endif
+  return y;
+}
+
+TORCH_LIBRARY(minivllm_cpu_gemm, m) {
+  m.def("available() -> bool");
+  m.impl("available", TORCH_FN(available));
+  m.def("linear(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
+  m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
+}
+"""
+
+@functools.cache
+def bf16_gemm():
+    "The bfloat16 product's operators, `torch.ops.minivllm_cpu_gemm`, where this CPU has AVX512_BF16 and they build; else None."
+    if not build_cpu_extension("minivllm_cpu_gemm", BF16_GEMM_SOURCE):
+        return None
+    return torch.ops.minivllm_cpu_gemm if torch.ops.minivllm_cpu_gemm.available() else None
+
+def pack_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
+    "A bfloat16 weight `[out, in]` as panels `[ceil(out / 64), ceil(in / 2), 64, 2]`, zero-padded: what `avx512bf16_linear` reads."
+    out_features, in_features = weight.shape
+    w = F.pad(weight.detach(), (0, in_features % 2, 0, -out_features % BF16_PANEL))
+    return w.view(-1, BF16_PANEL, w.shape[1] // 2, 2).transpose(1, 2).contiguous()
+
+def avx512bf16_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    "`F.linear(x, weight, bias)` of bfloat16 `x [..., in]` and a weight in `panels`: float32 sums, rounded once."
+    return bf16_gemm().linear(x.reshape(-1, x.shape[-1]), panels, out_features, bias).view(*x.shape[:-1], out_features)

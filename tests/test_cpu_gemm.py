@@ -194,7 +194,8 @@ def test_the_cache_lives_with_the_kernels(tmp_path, monkeypatch):
 def test_the_key_names_what_the_choice_depends_on(monkeypatch):
     monkeypatch.setattr(linear, "cpu_model", lambda: "Test CPU [12345678]")
     key = json.loads(gemm_cache_key(rand(24, 16), GEMM_ROWS))
-    assert key == ["Test CPU [12345678]", torch.__version__, torch.get_num_threads(), "float32", [24, 16], [1, 16, 64, 256]]
+    assert key == ["Test CPU [12345678]", torch.__version__, torch.get_num_threads(), "float32", [24, 16], [1, 16, 64, 256],
+                   gemm_kernels()]  # the candidates too: a kernel added since is measured against the others
     assert linear.cpu_model() != ""
 
 

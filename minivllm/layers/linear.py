@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 from torch import nn
 
+from .. import cpu_kernels
 from ..config import check_tensor_parallel
 from ..distributed import Communicator, divide
 
@@ -29,9 +30,10 @@ from ..distributed import Communicator, divide
 __all__ = ['ONEDNN_DTYPES', 'GEMM_KERNELS', 'GEMM_ROWS', 'LOGIT_ROWS', 'UNSAVED_CHOICES', 'LinearBase', 'ReplicatedLinear',
            'ColumnParallelLinear', 'RowParallelLinear', 'MergedColumnParallelLinear', 'heads_per_rank',
            'QKVParallelLinear', 'mkl_packing_available', 'check_packable', 'check_fits', 'PackedWeight',
-           'onednn_packing_available', 'OneDNNWeight', 'gemm_kernels', 'pack_weight', 'cpu_gemm_setting', 'time_gemm',
-           'relative_times', 'pick_gemm', 'cpu_model', 'gemm_cache_key', 'gemm_cache_path', 'read_gemm_cache',
-           'save_gemm_choice', 'machine_busy', 'cores_busy_elsewhere', 'quiet_enough', 'choose_gemm']
+           'onednn_packing_available', 'OneDNNWeight', 'BF16PanelWeight', 'gemm_kernels', 'pack_weight',
+           'cpu_gemm_setting', 'time_gemm', 'relative_times', 'pick_gemm', 'cpu_model', 'gemm_cache_key',
+           'gemm_cache_path', 'read_gemm_cache', 'save_gemm_choice', 'machine_busy', 'cores_busy_elsewhere',
+           'quiet_enough', 'choose_gemm']
 
 # %% ../../nbs/03_parallel_linear.ipynb #bb9274af
 class LinearBase(nn.Module):
@@ -292,20 +294,39 @@ class OneDNNWeight:
 
     def __repr__(self) -> str: return f"OneDNNWeight({self.shape})"
 
+class BF16PanelWeight:
+    "A bfloat16 CPU weight `[out, in]` in panels for notebook 04a's AVX512_BF16 product: `packed(x, bias)` is `F.linear(x, weight, bias)`."
+    kernel = "avx512bf16"
+
+    def __init__(self, weight: torch.Tensor):
+        check_packable(weight, "BF16PanelWeight", (torch.bfloat16,))
+        if cpu_kernels.bf16_gemm() is None:
+            raise RuntimeError("this CPU has no AVX512_BF16 (or the C++ kernels are off or cannot be built): keep "
+                               "oneDNN's product or F.linear")
+        self.shape = tuple(weight.shape)
+        self.packed = cpu_kernels.pack_bf16_panels(weight)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        check_fits(self.shape, x, bias)
+        return cpu_kernels.avx512bf16_linear(x, self.packed, self.shape[0], bias)
+
+    def __repr__(self) -> str: return f"BF16PanelWeight({self.shape})"
+
 # %% ../../nbs/03_parallel_linear.ipynb #af4742fd
-GEMM_KERNELS = ("torch", "mkl", "onednn")  # plain F.linear, MKL's packed GEMM, oneDNN's packed matmul
+GEMM_KERNELS = ("torch", "mkl", "onednn", "avx512bf16")  # F.linear, MKL's packed GEMM, oneDNN's packed matmul, ours
 
 def gemm_kernels(dtype: torch.dtype = torch.float32) -> list[str]:
     "The GEMMs this torch can multiply a `dtype` CPU weight with: `torch` always, each packed one that takes `dtype`."
     # subtle: MKL's packed GEMM is float32's only (cblas_sgemm_pack); oneDNN's takes bfloat16 too
     mkl = dtype == torch.float32 and mkl_packing_available()
-    return ["torch"] + ["mkl"] * mkl + ["onednn"] * onednn_packing_available(dtype)
+    ours = dtype == torch.bfloat16 and cpu_kernels.bf16_gemm() is not None  # notebook 04a's, where the CPU has AVX512_BF16
+    return ["torch"] + ["mkl"] * mkl + ["onednn"] * onednn_packing_available(dtype) + ["avx512bf16"] * ours
 
 def pack_weight(weight: torch.Tensor, kernel: str) -> PackedWeight | OneDNNWeight | None:
     "`weight` packed for `kernel` (`mkl`, `onednn`), or None for `torch` (`F.linear` on the weight as it is)."
     if kernel not in GEMM_KERNELS:
         raise ValueError(f"unknown CPU GEMM {kernel!r}: choose one of {', '.join(GEMM_KERNELS)}")
-    return {"torch": lambda w: None, "mkl": PackedWeight, "onednn": OneDNNWeight}[kernel](weight)
+    return {"torch": lambda w: None, "mkl": PackedWeight, "onednn": OneDNNWeight, "avx512bf16": BF16PanelWeight}[kernel](weight)
 
 def cpu_gemm_setting(value: str | None = None) -> str:
     "The CPU GEMM asked for: `value`, else `$MINIVLLM_CPU_GEMM`, else `auto` (measure). Example: `cpu_gemm_setting('MKL') -> 'mkl'`."
@@ -364,9 +385,9 @@ def cpu_model() -> str:
     return f"{field('model name') or platform.processor() or platform.machine()} [{flags}]"
 
 def gemm_cache_key(weight: torch.Tensor, rows: tuple[int, ...]) -> str:
-    "What a measured choice depends on: CPU, torch version, threads, the weight's dtype and shape, the rows timed."
+    "What a measured choice depends on: CPU, torch version, threads, the weight's dtype and shape, the rows timed, the candidates."
     return json.dumps([cpu_model(), torch.__version__, torch.get_num_threads(), str(weight.dtype).removeprefix("torch."),
-                       list(weight.shape), list(rows)])
+                       list(weight.shape), list(rows), gemm_kernels(weight.dtype)])
 
 def gemm_cache_path() -> Path:
     "The file of measured choices: `cpu_gemm.json` in `$MINIVLLM_CACHE`, else in `~/.cache/minivllm`."
@@ -429,9 +450,9 @@ def choose_gemm(weight: torch.Tensor, setting: str = "auto", rows: tuple[int, ..
     unsaved = UNSAVED_CHOICES if unsaved is None else unsaved
     kernels = gemm_kernels(weight.dtype)
     if setting != "auto":
-        if setting not in gemm_kernels():
-            raise RuntimeError(f"the CPU GEMM {setting!r} is forced (MINIVLLM_CPU_GEMM) but this torch has only "
-                               f"{gemm_kernels()}")
+        here = list(dict.fromkeys(gemm_kernels() + gemm_kernels(torch.bfloat16)))  # for one dtype or another
+        if setting not in here:
+            raise RuntimeError(f"the CPU GEMM {setting!r} is forced (MINIVLLM_CPU_GEMM) but this torch has only {here}")
         if setting not in kernels:  # e.g. MKL's, float32's only, on a bfloat16 weight: F.linear, as before packing
             logging.getLogger("minivllm").info(f"the forced CPU GEMM {setting!r} cannot multiply {weight.dtype} "
                                                f"weights (it has {kernels}): F.linear multiplies them")
