@@ -493,4 +493,8 @@ def pack_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
 
 def avx512bf16_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     "`F.linear(x, weight, bias)` of bfloat16 `x [..., in]` and a weight in `panels`: float32 sums, rounded once."
-    return bf16_gemm().linear(x.reshape(-1, x.shape[-1]), panels, out_features, bias).view(*x.shape[:-1], out_features)
+    ops = bf16_gemm()
+    if ops is None:
+        raise RuntimeError("this CPU has no AVX512_BF16 (or the C++ kernels are off or cannot be built): multiply "
+                           "with oneDNN's product or F.linear")
+    return ops.linear(x.reshape(-1, x.shape[-1]), panels, out_features, bias).view(*x.shape[:-1], out_features)

@@ -322,8 +322,8 @@ def gemm_kernels(dtype: torch.dtype = torch.float32) -> list[str]:
     ours = dtype == torch.bfloat16 and cpu_kernels.bf16_gemm() is not None  # notebook 04a's, where the CPU has AVX512_BF16
     return ["torch"] + ["mkl"] * mkl + ["onednn"] * onednn_packing_available(dtype) + ["avx512bf16"] * ours
 
-def pack_weight(weight: torch.Tensor, kernel: str) -> PackedWeight | OneDNNWeight | None:
-    "`weight` packed for `kernel` (`mkl`, `onednn`), or None for `torch` (`F.linear` on the weight as it is)."
+def pack_weight(weight: torch.Tensor, kernel: str) -> PackedWeight | OneDNNWeight | BF16PanelWeight | None:
+    "`weight` packed for `kernel` (`mkl`, `onednn`, `avx512bf16`), or None for `torch` (`F.linear` on the weight as it is)."
     if kernel not in GEMM_KERNELS:
         raise ValueError(f"unknown CPU GEMM {kernel!r}: choose one of {', '.join(GEMM_KERNELS)}")
     return {"torch": lambda w: None, "mkl": PackedWeight, "onednn": OneDNNWeight, "avx512bf16": BF16PanelWeight}[kernel](weight)
