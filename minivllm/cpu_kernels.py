@@ -353,24 +353,32 @@ def use_cpu_kernels(x: torch.Tensor) -> bool:
     "Whether an operation on `x` goes to the C++ kernels: float32 or bfloat16 on the CPU, with the kernels built (and not off)."
     return x.device.type == "cpu" and x.dtype in CPU_KERNEL_DTYPES and layer_kernels() is not None
 
+def _layer_ops():
+    "`layer_kernels()`, or a clear error where the kernels are off or cannot be built (the layers then use torch)."
+    ops = layer_kernels()
+    if ops is None:
+        raise RuntimeError("the C++ CPU kernels are off (MINIVLLM_CPU_KERNEL=0) or cannot be built here: "
+                           "check use_cpu_kernels(x) first and use torch's operations otherwise")
+    return ops
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     "`norm(x)`, or `(norm(x + residual), x + residual)`, by the C++ kernel; `x` `[..., H]`."
-    outs = layer_kernels().add_rms_norm(x, residual, weight, eps)
+    outs = _layer_ops().add_rms_norm(x, residual, weight, eps)
     return outs[0] if residual is None else (outs[0], outs[1])
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     "`silu(x[..., :d]) * x[..., d:]` by the C++ kernel."
-    return layer_kernels().silu_and_mul(x)
+    return _layer_ops().silu_and_mul(x)
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
                      head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     "`q`, `k` (`[T, heads, head_dim]` or `[T, heads * head_dim]`) rotated by the cos|sin rows at `positions`."
-    q_out, k_out = layer_kernels().rotary_embedding(positions, q, k, cos_sin_cache, head_dim)
+    q_out, k_out = _layer_ops().rotary_embedding(positions, q, k, cos_sin_cache, head_dim)
     return q_out, k_out
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     "Each row's index of its first maximum (`x.max(dim=-1).indices`) of `x` `[rows, n]`, by the C++ kernel."
-    return layer_kernels().argmax_rows(x)
+    return _layer_ops().argmax_rows(x)
 
 # %% ../nbs/04a_cpu_kernels.ipynb #055b4d89
 BF16_PANEL = 64  # output columns per panel of a packed weight: four AVX-512 registers of 16 float32 sums
@@ -390,18 +398,19 @@ constexpr int64_t TILE_ROWS = 6;  // rows per tile: 6 x 4 registers of sums, 4 o
 
 // R rows of x (each a row of bfloat16 pairs, read as 32-bit words, `ldx` a row) times one panel [pairs, 64, 2], plus
 // the panel's bias (float32, or null): the first `ncols` of its 64 columns into y, rounded to bfloat16 once; with
-// `next`, the next panel's bytes are fetched from memory meanwhile
+// `next`, its pairs [ahead, ahead + count) are fetched from memory meanwhile, evenly over the tile's work
 template <int R>
-static void tile(const uint32_t* x, int64_t ldx, const uint16_t* panel, const uint16_t* next, int64_t pairs,
-                 const float* bias, uint16_t* y, int64_t ldy, int64_t ncols) {
+static void tile(const uint32_t* x, int64_t ldx, const uint16_t* panel, const uint16_t* next, int64_t ahead,
+                 int64_t count, int64_t pairs, const float* bias, uint16_t* y, int64_t ldy, int64_t ncols) {
   __m512 acc[R][4];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = bias ? _mm512_loadu_ps(bias + 16 * j) : _mm512_setzero_ps();
+  int64_t due = 0;  // count / pairs next-panel pairs are due at each step: fetch one each time `due` reaches `pairs`
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* w = panel + p * 2 * PANEL;  // 64 columns x 2 inputs: 256 bytes, 4 registers
-    if (next != nullptr)
+    for (due += count; next != nullptr && due >= pairs; due -= pairs, ++ahead)
       for (int line = 0; line < 4; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(next + p * 2 * PANEL) + 64 * line, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(next + ahead * 2 * PANEL) + 64 * line, _MM_HINT_T1);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32),
                    w2 = (__m512bh)_mm512_loadu_si512(w + 64), w3 = (__m512bh)_mm512_loadu_si512(w + 96);
     for (int i = 0; i < R; ++i) {
@@ -417,20 +426,25 @@ static void tile(const uint32_t* x, int64_t ldx, const uint16_t* panel, const ui
   }
 }
 
-// every tile of rows of one panel; the first asks for the next panel
+// the rows of one panel in tiles of equal size (at most TILE_ROWS), each fetching an equal share of the next panel
 static void panel_times_rows(const uint32_t* x, int64_t M, int64_t pairs, const uint16_t* panel, const uint16_t* next,
                              const float* bias, uint16_t* y, int64_t N, int64_t ncols) {
-  int64_t m = 0;
-  for (; m + TILE_ROWS <= M; m += TILE_ROWS)
-    tile<TILE_ROWS>(x + m * pairs, pairs, panel, m == 0 ? next : nullptr, pairs, bias, y + m * N, N, ncols);
-  const uint16_t* ahead = m == 0 ? next : nullptr;
-  switch (M - m) {  // the rows left over, fewer than a tile
-    case 1: tile<1>(x + m * pairs, pairs, panel, ahead, pairs, bias, y + m * N, N, ncols); break;
-    case 2: tile<2>(x + m * pairs, pairs, panel, ahead, pairs, bias, y + m * N, N, ncols); break;
-    case 3: tile<3>(x + m * pairs, pairs, panel, ahead, pairs, bias, y + m * N, N, ncols); break;
-    case 4: tile<4>(x + m * pairs, pairs, panel, ahead, pairs, bias, y + m * N, N, ncols); break;
-    case 5: tile<5>(x + m * pairs, pairs, panel, ahead, pairs, bias, y + m * N, N, ncols); break;
-    default: break;
+  const int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
+  for (int64_t t = 0, m = 0; t < tiles; ++t) {
+    // subtle: equal tiles take equal time, so the memory traffic is spread evenly over the panel's work (a short
+    // last tile that fetched its share of the next panel would wait for memory)
+    const int64_t rows = M / tiles + (t < M % tiles), ahead = t * pairs / tiles, count = (t + 1) * pairs / tiles - ahead;
+    const uint32_t* xt = x + m * pairs;
+    uint16_t* yt = y + m * N;
+    switch (rows) {
+      case 1: tile<1>(xt, pairs, panel, next, ahead, count, pairs, bias, yt, N, ncols); break;
+      case 2: tile<2>(xt, pairs, panel, next, ahead, count, pairs, bias, yt, N, ncols); break;
+      case 3: tile<3>(xt, pairs, panel, next, ahead, count, pairs, bias, yt, N, ncols); break;
+      case 4: tile<4>(xt, pairs, panel, next, ahead, count, pairs, bias, yt, N, ncols); break;
+      case 5: tile<5>(xt, pairs, panel, next, ahead, count, pairs, bias, yt, N, ncols); break;
+      default: tile<TILE_ROWS>(xt, pairs, panel, next, ahead, count, pairs, bias, yt, N, ncols); break;
+    }
+    m += rows;
   }
 }
 #else
