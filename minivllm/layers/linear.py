@@ -386,8 +386,12 @@ def cpu_model() -> str:
 
 def gemm_cache_key(weight: torch.Tensor, rows: tuple[int, ...]) -> str:
     "What a measured choice depends on: CPU, torch version, threads, the weight's dtype and shape, the rows timed, the candidates."
+    # subtle: our own kernel is named with a digest of its source, so a choice measured with another version of it is
+    # measured again (torch's and MKL's change with torch's version, which the key has)
+    ours = hashlib.sha1(cpu_kernels.BF16_GEMM_SOURCE.encode()).hexdigest()[:8]
+    candidates = [f"{k} {ours}" if k == "avx512bf16" else k for k in gemm_kernels(weight.dtype)]
     return json.dumps([cpu_model(), torch.__version__, torch.get_num_threads(), str(weight.dtype).removeprefix("torch."),
-                       list(weight.shape), list(rows), gemm_kernels(weight.dtype)])
+                       list(weight.shape), list(rows), candidates])
 
 def gemm_cache_path() -> Path:
     "The file of measured choices: `cpu_gemm.json` in `$MINIVLLM_CACHE`, else in `~/.cache/minivllm`."
