@@ -501,6 +501,9 @@ def bf16_gemm():
 
 def pack_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
     "A bfloat16 weight `[out, in]` as panels `[ceil(out / 64), ceil(in / 2), 64, 2]`, zero-padded: what `avx512bf16_linear` reads."
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16:
+        raise ValueError(f"expected a bfloat16 weight [out, in], got {weight.dtype} {list(weight.shape)}: "
+                         "convert it with .bfloat16() first")
     out_features, in_features = weight.shape
     w = F.pad(weight.detach(), (0, in_features % 2, 0, -out_features % BF16_PANEL))
     return w.view(-1, BF16_PANEL, w.shape[1] // 2, 2).transpose(1, 2).contiguous()
