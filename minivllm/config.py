@@ -17,10 +17,10 @@ import importlib.resources
 import torch
 
 # %% auto #0
-__all__ = ['SUPPORTED_ROPE_TYPES', 'SUPPORTED_MODEL_TYPES', 'INT_FIELDS', 'TOKENIZER_FILES', 'HUB_FILE_PATTERNS', 'DEFAULT_MODEL',
-           'rope_from_hf', 'rope_type', 'parse_dtype', 'dtype_from_hf', 'valid_tp_sizes', 'check_tensor_parallel',
-           'is_int', 'is_positive_int', 'check_positive_int', 'check_token_ids', 'Config', 'resolve_model',
-           'model_folder', 'has_tokenizer']
+__all__ = ['SUPPORTED_ROPE_TYPES', 'SUPPORTED_MODEL_TYPES', 'INT_FIELDS', 'INT64_MAX', 'TOKENIZER_FILES', 'HUB_FILE_PATTERNS',
+           'DEFAULT_MODEL', 'rope_from_hf', 'rope_type', 'parse_dtype', 'dtype_from_hf', 'valid_tp_sizes',
+           'check_tensor_parallel', 'is_int', 'is_positive_int', 'check_positive_int', 'check_token_ids', 'check_text',
+           'Config', 'resolve_model', 'model_folder', 'has_tokenizer']
 
 # %% ../nbs/00_config.ipynb #ca7288cb
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -106,6 +106,8 @@ def check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 # %% ../nbs/00_config.ipynb #e208fedb
+INT64_MAX = 2**63 - 1  # the largest integer the engine holds: its messages (msgspec) and tensors are 64 bits wide
+
 def check_token_ids(token_ids, vocab_size: int | None = None, what: str = "prompt") -> list[int]:
     "`token_ids` as a list of Python ints; `ValueError` naming the problem if it is empty or holds anything but ids in `[0, vocab_size)`."
     if isinstance(token_ids, (str, bytes)):
@@ -113,9 +115,10 @@ def check_token_ids(token_ids, vocab_size: int | None = None, what: str = "promp
     ids = list(token_ids)
     if not ids:
         raise ValueError(f"the {what} is empty: it needs at least one token")
-    bad = [t for t in ids if not is_int(t) or (vocab_size is None and t < 0)]
+    # subtle: without a vocabulary, an id must still fit in int64, the type the engine (msgspec, torch) holds it in
+    bad = [t for t in ids if not is_int(t) or (vocab_size is None and not 0 <= t <= INT64_MAX)]
     if bad:
-        raise ValueError(f"the {what} must hold token ids (integers >= 0), got {bad[:5]!r}")
+        raise ValueError(f"the {what} must hold token ids (integers >= 0 that fit in 64 bits), got {bad[:5]!r}")
     ids = [int(t) for t in ids]  # NumPy and torch integers become Python ints
     if vocab_size is not None:
         lo, hi = min(ids), max(ids)
@@ -123,6 +126,17 @@ def check_token_ids(token_ids, vocab_size: int | None = None, what: str = "promp
             raise ValueError(f"token id {lo if lo < 0 else hi} is out of range for a vocabulary of {vocab_size} "
                              f"(the {what}'s ids must be in [0, {vocab_size - 1}])")
     return ids
+
+# %% ../nbs/00_config.ipynb #68368564
+def check_text(text: str, what: str = "the prompt") -> str:
+    "`text` if it is valid Unicode (it encodes as UTF-8); `ValueError` naming the first lone surrogate otherwise."
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: character {e.start} is U+{ord(text[e.start]):04X}, half of a "
+                         "UTF-16 surrogate pair, alone (a JSON \\ud800-style escape without its pair); send valid "
+                         "UTF-8 text") from None
+    return text
 
 # %% ../nbs/00_config.ipynb #de3586ff
 @dataclass

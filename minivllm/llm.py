@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from fastcore.basics import patch
 
-from .config import DEFAULT_MODEL, check_token_ids, has_tokenizer, is_int, model_folder  # noqa: F401  DEFAULT_MODEL: as before
+from .config import DEFAULT_MODEL, check_text, check_token_ids, has_tokenizer, is_int, model_folder  # noqa: F401  DEFAULT_MODEL: as before
 from .distributed import RankFailure
 from .engine.block_manager import BlockManager
 from .engine.launch import Ranks
@@ -266,7 +266,7 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, model) -> tuple[str | None
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(f"{model} has no tokenizer: pass prompts as lists of token ids")
-        return prompt, tokenizer.encode(prompt)
+        return prompt, tokenizer.encode(check_text(prompt))
     if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):  # a NumPy array or a torch tensor
         prompt = prompt.tolist()
     if is_int(prompt) or not hasattr(prompt, "__iter__"):

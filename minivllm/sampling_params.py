@@ -7,13 +7,42 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .config import check_token_ids, is_int
+from .config import INT64_MAX, check_text, check_token_ids, is_int
 
 # %% auto #0
-__all__ = ['SamplingParams']
+__all__ = ['ParamError', 'check_real', 'check_int', 'SamplingParams']
+
+# %% ../nbs/08a_sampling_params.ipynb #5eac0c6f
+class ParamError(ValueError):
+    "A sampling parameter out of its range; `param` names it (a server's 400 names it too)."
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+def check_real(name: str, value, valid, rule: str) -> None:
+    "`ParamError` unless `value` is a real number for which `valid` holds once rounded to float32, as the sampler holds it."
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ParamError(name, f"{name} must be {rule}, got {value!r}")
+    try:
+        held = struct.unpack("f", struct.pack("f", value))[0]  # float32's rounding of value
+    except OverflowError:  # past float32's largest finite number (about 3.4e38): some Pythons raise, others give inf
+        held = math.copysign(math.inf, value)
+    if not valid(held):
+        rounded = ""
+        if math.isfinite(value) and held != value:
+            rounded = f", which is {'infinite' if math.isinf(held) else repr(held)} in float32 (the sampler's type)"
+        raise ParamError(name, f"{name} must be {rule}, got {value!r}{rounded}")
+
+def check_int(name: str, value, valid, rule: str) -> int:
+    "`value` as a Python int; `ParamError` unless it is an integer that fits in int64 and for which `valid` holds."
+    if not is_int(value) or not -INT64_MAX - 1 <= value <= INT64_MAX or not valid(value):
+        limit = ", and fit in 64 bits (|value| < 2**63)" if is_int(value) and valid(value) else ""
+        raise ParamError(name, f"{name} must be {rule}{limit}, got {value!r}")
+    return int(value)
 
 # %% ../nbs/08a_sampling_params.ipynb #8b0eac52
 @dataclass
@@ -36,50 +65,45 @@ class SamplingParams:
     logprobs: int | None = None  # k: each generated token's log-probability, and the k most likely (0 to 20)
 
     def __post_init__(self):
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
-        if not is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
-            raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
-        p = self.min_p
-        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 <= p <= 1:
-            raise ValueError(f"min_p must be a number from 0 to 1 (0 = off), got {p!r}")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r} (or None: up to max_model_len)")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0 (0 = off), got {self.min_tokens!r}")
+        check_real("temperature", self.temperature, lambda t: math.isfinite(t) and t >= 0, "a finite number >= 0 (0 = greedy)")
+        check_real("top_p", self.top_p, lambda p: 0 < p <= 1, "in (0, 1] (1 = off)")
+        self.top_k = check_int("top_k", self.top_k, lambda k: k == -1 or k >= 1, "-1 (off) or an integer >= 1")
+        check_real("min_p", self.min_p, lambda p: 0 <= p <= 1, "a number from 0 to 1 (0 = off)")
+        if self.max_tokens is not None:
+            self.max_tokens = check_int("max_tokens", self.max_tokens, lambda m: m >= 1,
+                                        "an integer >= 1")
+        self.min_tokens = check_int("min_tokens", self.min_tokens, lambda m: m >= 0, "an integer >= 0 (0 = off)")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be from 0 to max_tokens ({self.max_tokens}), got {self.min_tokens}: "
-                             "lower min_tokens or raise max_tokens")
+            raise ParamError("min_tokens", f"min_tokens must be from 0 to max_tokens ({self.max_tokens}), got "
+                             f"{self.min_tokens}: lower min_tokens or raise max_tokens")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+            raise ParamError("ignore_eos", f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.seed is not None:
+            self.seed = check_int("seed", self.seed, lambda s: True, "an integer or None")
         stop = self.stop_token_ids
         stop = tuple(stop) if isinstance(stop, Iterable) and not isinstance(stop, (str, bytes)) else None
         if stop is None:
-            raise ValueError(f"stop_token_ids must be a sequence of token ids (integers >= 0), got {self.stop_token_ids!r}")
-        self.stop_token_ids = tuple(check_token_ids(stop, what="stop_token_ids")) if stop else ()
+            raise ParamError("stop_token_ids", "stop_token_ids must be a sequence of token ids (integers >= 0), got "
+                             f"{self.stop_token_ids!r}")
+        try:
+            self.stop_token_ids = tuple(check_token_ids(stop, what="stop_token_ids")) if stop else ()
+        except ValueError as e:
+            raise ParamError("stop_token_ids", str(e)) from None
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, Iterable) or not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
-        self.stop = tuple(stop)
-        if not is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1 (the completions to sample), got {self.n!r}")
+            raise ParamError("stop", f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        try:
+            self.stop = tuple(check_text(s, "stop") for s in stop)
+        except ValueError as e:
+            raise ParamError("stop", str(e)) from None
+        self.n = check_int("n", self.n, lambda n: n >= 1, "an integer >= 1 (the completions to sample)")
         for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not -2 <= v <= 2:
-                raise ValueError(f"{name} must be a number from -2 to 2 (0 = off), got {v!r}")
-        r = self.repetition_penalty
-        if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(r) or r <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off, above 1 discourages "
-                             f"repeats), got {r!r}")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be None or an integer from 0 to 20 (the most likely tokens to show), "
-                             f"got {self.logprobs!r}")
+            check_real(name, getattr(self, name), lambda v: -2 <= v <= 2, "a number from -2 to 2 (0 = off)")
+        check_real("repetition_penalty", self.repetition_penalty, lambda r: math.isfinite(r) and r > 0,
+                   "a finite number > 0 (1 = off, above 1 discourages repeats)")
+        if self.logprobs is not None:
+            self.logprobs = check_int("logprobs", self.logprobs, lambda k: 0 <= k <= 20,
+                                      "None or an integer from 0 to 20 (the most likely tokens to show)")
 
     @property
     def needs_logits(self) -> bool:

@@ -436,7 +436,7 @@ def test_numpy_token_ids_are_checked_like_python_ints(tiny):
         for bad, message in ((np.array([1, 5000]), "out of range for a vocabulary of"),
                              ([np.int64(1), np.int64(300)], "out of range for a vocabulary of"),
                              (np.array([[1, -2]]), "token id -2 is out of range for a vocabulary of"),
-                             ([1, np.float32(2.0)], r"token ids \(integers >= 0\)")):
+                             ([1, np.float32(2.0)], r"token ids \(integers >= 0 that fit in 64 bits\)")):
             with pytest.raises(ValueError, match=message):
                 llm.generate(bad, GREEDY, use_tqdm=False)
         assert llm.scheduler.is_finished()

@@ -48,9 +48,10 @@ def test_sequence_properties():
 @pytest.mark.parametrize("prompt, message", [
     ([], "the prompt is empty"),
     ("abc", "tokenize it first"),
-    ([1, 2.0], r"token ids \(integers >= 0\)"),
-    ([1, -1], r"token ids \(integers >= 0\)"),
-    ([True], r"token ids \(integers >= 0\)"),
+    ([1, 2.0], r"token ids \(integers >= 0 that fit in 64 bits\)"),
+    ([1, -1], r"token ids \(integers >= 0 that fit in 64 bits\)"),
+    ([True], r"token ids \(integers >= 0 that fit in 64 bits\)"),
+    ([1, 2**63], r"token ids \(integers >= 0 that fit in 64 bits\)"),
 ])
 def test_bad_prompts_are_refused(prompt, message):
     with pytest.raises(ValueError, match=message):

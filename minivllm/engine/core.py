@@ -14,19 +14,22 @@ import threading
 import time
 from dataclasses import dataclass
 
+from pathlib import Path
+
 import msgspec
 import zmq
 
 from ..distributed import RankFailure, RankProcess, process_state
-from ..llm import LLM, Request
+from ..llm import LLM, Request, logger
 from ..sampling_params import SamplingParams
 from ..shm import sweep_stale_segments
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['EngineInput', 'EngineOutput', 'ERRORS', 'AddRequest', 'Abort', 'Shutdown', 'EngineStats', 'CompletionDelta',
-           'StepRecord', 'StepOutputs', 'Rejected', 'Ready', 'Failed', 'rebuild_error', 'EngineCore',
-           'engine_core_loop', 'run_engine_core', 'EngineCoreGone', 'EngineCoreProcess']
+__all__ = ['EngineInput', 'EngineOutput', 'ERRORS', 'SOCKET_FOLDER_PREFIX', 'AddRequest', 'Abort', 'Shutdown', 'Ping',
+           'EngineStats', 'CompletionDelta', 'StepRecord', 'StepOutputs', 'Rejected', 'Ready', 'Pong', 'Failed',
+           'rebuild_error', 'decode_input', 'EngineCore', 'engine_core_loop', 'remove_socket_folder', 'run_engine_core',
+           'EngineCoreGone', 'EngineCoreProcess']
 
 # %% ../../nbs/13a_engine_core.ipynb #65223322
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
@@ -45,7 +48,11 @@ class Abort(msgspec.Struct, tag="abort", array_like=True):
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     "Stop the engine core: close its ranks and exit."
 
-EngineInput = AddRequest | Abort | Shutdown
+class Ping(msgspec.Struct, tag="ping", array_like=True):
+    "Are you there? The core answers with a `Pong` of the same number between two steps (a server's /health asks)."
+    nonce: int
+
+EngineInput = AddRequest | Abort | Shutdown | Ping
 
 # %% ../../nbs/13a_engine_core.ipynb #f00b66eb
 @dataclass(frozen=True)
@@ -94,12 +101,16 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     num_blocks: int
     rank_pids: list[int]
 
+class Pong(msgspec.Struct, tag="pong", array_like=True):
+    "The answer to `Ping(nonce)`: the core's loop is turning."
+    nonce: int
+
 class Failed(msgspec.Struct, tag="failed", array_like=True):
     "The engine core could not start, or cannot go on (a rank died): why. It exits after sending this."
     error: str
     message: str
 
-EngineOutput = StepOutputs | Rejected | Ready | Failed
+EngineOutput = StepOutputs | Rejected | Ready | Failed | Pong
 
 ERRORS = {e.__name__: e for e in (ValueError, TypeError, MemoryError, OSError, RankFailure)}
 
@@ -107,7 +118,34 @@ def rebuild_error(error: str, message: str) -> Exception:
     "The exception a `Rejected` or `Failed` names, raised again on this side (RuntimeError for any other type)."
     return ERRORS.get(error, RuntimeError)(message)
 
+# %% ../../nbs/13a_engine_core.ipynb #34c4ff54
+_decode_input = msgspec.msgpack.Decoder(EngineInput).decode
+
+def _request_id(raw: bytes) -> str | None:
+    "The request id of what looks like an `AddRequest` (`['add', id, ...]`) whose fields failed their checks, else None."
+    try:
+        fields = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    ok = isinstance(fields, list) and len(fields) > 1 and fields[0] == "add" and isinstance(fields[1], str)
+    return fields[1] if ok else None
+
+def decode_input(raw: bytes) -> EngineInput | Rejected | None:
+    "One message to the core; a `Rejected` for an `AddRequest` whose values fail their checks; None for bytes that are no message."
+    try:
+        return _decode_input(raw)
+    except msgspec.ValidationError as e:
+        reason = str(e).split(" - at `")[0]  # subtle: msgspec appends where in the message it failed (`$[3]`)
+        if (request_id := _request_id(raw)) is not None:
+            return Rejected(request_id, "ValueError", reason)
+        logger.warning(f"the engine core dropped a message it cannot read ({reason})")
+    except msgspec.DecodeError as e:
+        logger.warning(f"the engine core dropped a message that is not MessagePack ({e})")
+    return None
+
 # %% ../../nbs/13a_engine_core.ipynb #0ab0588b
+SOCKET_FOLDER_PREFIX = "minivllm-core-"  # the private folder of an engine core's two sockets, in the temp folder
+
 class EngineCore:
     "The scheduler and the model behind messages: `add` and `abort` requests, `step` into one `StepOutputs`."
     def __init__(self, llm: LLM, record_steps: bool = False):
@@ -130,6 +168,9 @@ class EngineCore:
                                            stream=True, must_fit=message.must_fit)
         except (ValueError, TypeError) as e:
             return Rejected(message.request_id, type(e).__name__, str(e))
+        except Exception as e:  # subtle: whatever one request trips over, it alone is refused; the others go on
+            return Rejected(message.request_id, "ValueError", f"the engine cannot take this request "
+                            f"({type(e).__name__}: {e})")
         self.requests[message.request_id] = request
         for i, seq in enumerate(request.seqs):
             self.owner[seq.seq_id], self.sent[seq.seq_id] = (message.request_id, i), 0
@@ -194,19 +235,22 @@ def stats(self: EngineCore) -> EngineStats:
 # %% ../../nbs/13a_engine_core.ipynb #1c2866a3
 def engine_core_loop(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
     "Step while there is work, reading the inbox between steps; return on `Shutdown` or once the front end is gone."
-    read, write = msgspec.msgpack.Decoder(EngineInput).decode, msgspec.msgpack.Encoder().encode
+    write = msgspec.msgpack.Encoder().encode
     while True:
         timeout_ms, aborted = 0 if core.has_work else 1000, False  # idle: wait for a message, a second at a time
         while inbox.poll(timeout_ms):
-            message = read(inbox.recv())
+            message = decode_input(inbox.recv())
             if isinstance(message, Shutdown):
                 return
             if isinstance(message, AddRequest):
-                if (refused := core.add(message)) is not None:
-                    outbox.send(write(refused))
-            else:
+                message = core.add(message)  # None if it was taken, else a Rejected
+            elif isinstance(message, Abort):
                 core.abort(message)
-                aborted = True
+                aborted, message = True, None
+            elif isinstance(message, Ping):
+                message = Pong(message.nonce)
+            if message is not None:  # a Rejected or a Pong
+                outbox.send(write(message))
             timeout_ms = 0
         if os.getppid() != parent_pid:  # the front end died without a word: nobody reads what we compute
             return
@@ -214,6 +258,12 @@ def engine_core_loop(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, pa
             outbox.send(write(core.step()))
         elif aborted:  # subtle: no step will follow to carry the freed blocks' news: send the stats alone
             outbox.send(write(StepOutputs([], core.stats())))
+
+def remove_socket_folder(address: str) -> None:
+    "Remove the private folder of an `ipc://` socket address, if it is one that `EngineCoreProcess` made."
+    folder = Path(address.removeprefix("ipc://")).parent
+    if folder.name.startswith(SOCKET_FOLDER_PREFIX):
+        shutil.rmtree(folder, ignore_errors=True)
 
 def run_engine_core(engine_kwargs: dict, inbox_address: str, outbox_address: str, record_steps: bool = False) -> None:
     "The engine-core process: build the engine (token ids only), say `Ready` or `Failed`, then loop until told to stop."
@@ -243,6 +293,8 @@ def run_engine_core(engine_kwargs: dict, inbox_address: str, outbox_address: str
         inbox.close(linger=0)
         outbox.close(linger=2000)  # subtle: long enough to deliver the last message, bounded if nobody reads
         context.term()
+        if os.getppid() != parent_pid:  # the front end was killed: whoever outlives the other removes the sockets
+            remove_socket_folder(inbox_address)
 
 # %% ../../nbs/13a_engine_core.ipynb #866fd477
 class EngineCoreGone(RuntimeError):
@@ -251,7 +303,7 @@ class EngineCoreGone(RuntimeError):
 class EngineCoreProcess:
     "An engine core in its own process, and this side's two sockets to it: start, `send`, `receive`, `close`."
     def __init__(self, engine_kwargs: dict, record_steps: bool = False, start_timeout_s: float = 900.0):
-        self.folder = tempfile.mkdtemp(prefix="minivllm-core-")  # mode 0700: only this user reaches the sockets
+        self.folder = tempfile.mkdtemp(prefix=SOCKET_FOLDER_PREFIX)  # mode 0700: only this user reaches the sockets
         self.context = zmq.Context()
         self.inbox, self.outbox = self.context.socket(zmq.PUSH), self.context.socket(zmq.PULL)  # the core's inbox
         self.inbox.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a burst of requests while the core computes

@@ -17,7 +17,7 @@ from ..sampling_params import SamplingParams
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['SequenceStatus', 'Sequence', 'token_positions', 'context_lengths', 'ScheduledBatch', 'Scheduler']
+__all__ = ['SequenceStatus', 'Sequence', 'token_positions', 'context_lengths', 'ScheduledBatch', 'check_fits', 'Scheduler']
 
 # %% ../../nbs/09_scheduler.ipynb #280b48e0
 class SequenceStatus(Enum):
@@ -121,6 +121,26 @@ class ScheduledBatch:
         return [sorted(self.eos_token_ids | set(s.sampling_params.stop_token_ids)) if is_short else []
                 for s, is_short in zip(self.seqs, short)]
 
+# %% ../../nbs/09_scheduler.ipynb #2aeb845c
+def check_fits(prompt_len: int, max_tokens: int | None, max_model_len: int, num_blocks: int, block_size: int,
+               must_fit: bool = False) -> None:
+    "`ValueError` if a request could never run: too long for max_model_len, or too big for the whole KV cache (`Scheduler.add`'s rule, which a front end applies too)."
+    if prompt_len >= max_model_len:
+        raise ValueError(f"the prompt has {prompt_len} tokens, but max_model_len is {max_model_len}: a prompt must be "
+                         "shorter, to leave room for at least one generated token")
+    asked = prompt_len + max_tokens if max_tokens is not None else max_model_len
+    if must_fit and asked > max_model_len:  # servers refuse what offline generation would cut short
+        raise ValueError(f"the model's context is max_model_len = {max_model_len} tokens, but the request asks for "
+                         f"{asked}: {prompt_len} in the prompt and max_tokens = {max_tokens}; lower max_tokens to at "
+                         f"most {max_model_len - prompt_len}, or shorten the prompt")
+    longest = min(asked, max_model_len)
+    # subtle: the last generated token is never fed back, so at most longest - 1 tokens have K/V in the cache.
+    need = -(-(longest - 1) // block_size)
+    if need > num_blocks:
+        raise ValueError(f"the request can grow to {longest} tokens, whose keys and values need {need} blocks, but the "
+                         f"whole KV cache has {num_blocks} blocks of {block_size} tokens: shorten the prompt or "
+                         "max_tokens, or give the cache more memory")
+
 # %% ../../nbs/09_scheduler.ipynb #198d31d9
 class Scheduler:
     "Picks each step's batch: prefill (chunked when long) before decode, within the budgets, preempting when the KV cache is full."
@@ -153,22 +173,8 @@ class Scheduler:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt)} tokens, but max_model_len is {self.max_model_len}: a "
-                             "prompt must be shorter, to leave room for at least one generated token")
-        asked = len(prompt) + params.max_tokens if params.max_tokens is not None else self.max_model_len
-        if must_fit and asked > self.max_model_len:  # servers refuse what offline generation would cut short
-            raise ValueError(f"the model's context is max_model_len = {self.max_model_len} tokens, but the request "
-                             f"asks for {asked}: {len(prompt)} in the prompt and max_tokens = {params.max_tokens}; "
-                             f"lower max_tokens to at most {self.max_model_len - len(prompt)}, or shorten the prompt")
-        longest = min(asked, self.max_model_len)
-        # subtle: the last generated token is never fed back, so at most longest - 1 tokens have K/V in the cache.
-        need = self.block_manager.blocks_for(longest - 1)
-        if need > self.block_manager.num_blocks:
-            raise ValueError(f"the request can grow to {longest} tokens, whose keys and values need {need} blocks, but "
-                             f"the whole KV cache has {self.block_manager.num_blocks} blocks of "
-                             f"{self.block_manager.block_size} tokens: shorten the prompt or max_tokens, or give the "
-                             "cache more memory")
+        check_fits(len(prompt), params.max_tokens, self.max_model_len, self.block_manager.num_blocks,
+                   self.block_manager.block_size, must_fit)
         if shares_prompt_with is not None and shares_prompt_with.prompt_token_ids != prompt:
             raise ValueError("shares_prompt_with must be a sequence of the same prompt")
         seq = Sequence(next(self.seq_ids), prompt, params)
