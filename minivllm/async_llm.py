@@ -14,10 +14,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from .config import model_folder
-from .engine.core import (Abort, AddRequest, EngineCoreGone, EngineCoreProcess, EngineStats, Failed, Rejected,
-                                  StepOutputs, rebuild_error)
+from .distributed import process_state
+from .engine.core import (Abort, AddRequest, EngineCoreGone, EngineCoreProcess, EngineStats, Failed, Ping, Pong,
+                                  Rejected, StepOutputs, rebuild_error)
 from .engine.model_runner import EngineArgs
-from .engine.scheduler import SamplingParams, Sequence, SequenceStatus
+from .engine.scheduler import SamplingParams, Sequence, SequenceStatus, check_fits
 from .llm import CompletionOutput, Request, RequestOutput, _load_tokenizer, encode_prompt, logger
 from fastcore.basics import patch
 
@@ -95,6 +96,7 @@ class AsyncLLM:
         self._live: dict[str, tuple[Request, _Stream]] = {}  # request id -> its text so far, and its caller
         self._lock = threading.Lock()  # guards _live and the requests in it (callers and the output thread)
         self._ended = False  # the output thread has told every stream the engine ended (under _lock)
+        self._pings: dict[int, asyncio.Future] = {}  # pings waiting for the core's Pong, by number (under _lock)
         self._ids = itertools.count()
         self.error: BaseException | None = None  # what stopped the engine, if anything did
         self._closing = False
@@ -121,9 +123,7 @@ class AsyncLLM:
         if not self.is_running:
             raise RuntimeError(f"the engine is not running{f' ({self.error})' if self.error else ''}: start a new one")
         params = sampling_params if sampling_params is not None else SamplingParams()
-        text, ids = encode_prompt(prompt, self.tokenizer, self.config.vocab_size, self.args.model)
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop strings need a tokenizer, and {self.args.model} has none: use stop_token_ids")
+        text, ids = self.check(prompt, params, must_fit)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         # the core's sequences, mirrored: the deltas of the core extend them, and Request makes text of them
         seqs = [Sequence(i, ids, params) for i in range(params.n)]
@@ -135,8 +135,13 @@ class AsyncLLM:
             if request_id in self._live:
                 raise ValueError(f"a request with id {request_id!r} is already running: give each request its own id")
             self._live[request_id] = (request, stream)
-        # subtle: stop strings stay here, where the text is; the core stops that completion when told (Abort)
-        self._send(AddRequest(request_id, ids, replace(params, stop=()) if params.stop else params, must_fit))
+        try:
+            # subtle: stop strings stay here, where the text is; the core stops that completion when told (Abort)
+            self._send(AddRequest(request_id, ids, replace(params, stop=()) if params.stop else params, must_fit))
+        except BaseException:  # subtle: a request that never reached the core must not stay live (and hold memory)
+            with self._lock:
+                self._live.pop(request_id, None)
+            raise
         finished = False
         try:
             while not finished:
@@ -148,6 +153,16 @@ class AsyncLLM:
         finally:  # subtle: a caller that stops listening (a closed connection, a cancelled task) frees its blocks
             if not finished:
                 self.abort(request_id)
+
+    def check(self, prompt: str | list[int], params: SamplingParams, must_fit: bool = False) -> tuple[str | None, list[int]]:
+        "`(text, token_ids)` of a request the engine core would take; `ValueError` saying why it would refuse it."
+        text, ids = encode_prompt(prompt, self.tokenizer, self.config.vocab_size, self.args.model)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings need a tokenizer, and {self.args.model} has none: use stop_token_ids")
+        # subtle: the scheduler's own rule (notebook 09), so that a batch of prompts is judged whole before any runs
+        check_fits(len(ids), params.max_tokens, self.args.max_model_len, self.core.num_blocks,
+                   self.args.kvcache_block_size, must_fit)
+        return text, ids
 
     def abort(self, request_id: str) -> None:
         "Stop a request now (from any thread): the core frees its KV blocks before its next step."
@@ -196,6 +211,11 @@ def _receive_loop(self: AsyncLLM) -> None:
                     entry = self._live.pop(message.request_id, None)
                 if entry is not None:
                     entry[1].put(rebuild_error(message.error, message.message))
+            elif isinstance(message, Pong):
+                with self._lock:
+                    answered = self._pings.pop(message.nonce, None)
+                if answered is not None:
+                    answered.get_loop().call_soon_threadsafe(_settle, answered)
             elif isinstance(message, Failed):
                 raise rebuild_error(message.error, message.message)
     except EngineCoreGone as e:
@@ -255,3 +275,29 @@ def _due(self: AsyncLLM, request: Request) -> bool:
     sent = sum(request.sent_tokens)
     return (request.is_finished or sent == 0 or self.stream_interval == 1
             or sum(s.num_completion_tokens for s in request.seqs) - sent >= self.stream_interval)
+
+# %% ../nbs/13b_async_llm.ipynb #7ee64e43
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+@patch
+async def check_health(self: AsyncLLM, timeout_s: float = 5.0) -> str | None:
+    "None if the engine core answers a ping within `timeout_s` and none of its processes is stopped; else why not."
+    if not self.is_running:
+        return f"the engine has stopped ({self.error or 'it was shut down'})"
+    for role, pid in [("engine core", self.core.pid)] + [(f"rank {i + 1}", p) for i, p in enumerate(self.core.rank_pids)]:
+        if (state := process_state(pid)) != "running":
+            return f"the {role} (pid {pid}) is {state}" + (": send it SIGCONT" if state == "stopped" else "")
+    nonce, answered = next(self._ids), asyncio.get_running_loop().create_future()
+    with self._lock:
+        self._pings[nonce] = answered
+    try:
+        self._send(Ping(nonce))
+        await asyncio.wait_for(answered, timeout_s)
+    except asyncio.TimeoutError:  # subtle: not TimeoutError, a class of its own before Python 3.11
+        return f"the engine core did not answer within {timeout_s:g} s: it is stuck, or one step takes longer than that"
+    finally:
+        with self._lock:
+            self._pings.pop(nonce, None)
+    return None

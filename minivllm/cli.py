@@ -155,6 +155,12 @@ def _add_serve(sub) -> None:
     s.add_argument("--max-request-bytes", type=int, default=None,
                    help="the largest request body the server reads, in bytes; larger ones get a 413 (default: 4 MiB, "
                         "minivllm.server.MAX_REQUEST_BYTES)")
+    s.add_argument("--max-prompts-per-request", type=int, default=None, metavar="N",
+                   help="the most prompts one completions request may hold; more get a 400 (default: 2048, "
+                        "minivllm.server.MAX_PROMPTS_PER_REQUEST)")
+    s.add_argument("--max-queued-tokens", type=int, default=None, metavar="N",
+                   help="the most prompt tokens of requests taken and not finished; a request past it gets a 429 "
+                        "(default: 1048576, minivllm.server.MAX_QUEUED_TOKENS)")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level; info logs every request (default: %(default)s)")
     add_node_options(s)
@@ -303,7 +309,8 @@ def _serve_command(a: argparse.Namespace) -> int:
           max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
           gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
           seed=a.seed, num_threads=a.num_threads, stream_interval=a.stream_interval, **_node_kwargs(a),
-          **({"max_request_bytes": a.max_request_bytes} if a.max_request_bytes is not None else {}))
+          **{name: value for name in ("max_request_bytes", "max_prompts_per_request", "max_queued_tokens")
+             if (value := getattr(a, name)) is not None})
     return 0
 
 def _node_kwargs(a: argparse.Namespace) -> dict:

@@ -228,6 +228,10 @@ def load_checkpoint(model: CausalLM, path: str | Path) -> None:
                     tensor = f.get_tensor(name)
                 except SafetensorError as e:  # e.g. a dtype this safetensors cannot read
                     raise _unreadable(file, e) from None
+                if not tensor.is_floating_point():  # subtle: copy_ would turn int8 codes into floats without a word
+                    raise ValueError(f"{file.absolute()}: tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}, "
+                                     "but minivllm loads floating-point weights (float32, bfloat16, float16): this is "
+                                     "a quantized or broken checkpoint; use one saved in a floating-point dtype")
                 if not _all_finite(tensor):
                     raise _non_finite(file, name, tensor)
                 try:

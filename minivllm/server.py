@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import os
 import secrets
 import signal
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,18 +31,21 @@ from starlette.exceptions import HTTPException
 
 from . import __version__
 from .async_llm import AsyncLLM
+from .config import check_text
 from .distributed import listen_socket
 from .engine.scheduler import SamplingParams
 from .llm import CompletionOutput, RequestOutput, _load_tokenizer, logger
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['MAX_REQUEST_BYTES', 'MAX_N', 'MAX_LOGPROBS', 'MAX_COMPLETION_LOGPROBS', 'SERVE_MAX_NUM_BATCHED_TOKENS',
-           'StreamOptions', 'SamplingFields', 'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest',
-           'TokenizeRequest', 'DetokenizeRequest', 'error_response', 'validation_message', 'is_json_content_type',
-           'http_error_message', 'check_max_request_bytes', 'BodyLimit', 'longest_token_chars', 'PromptEncoder',
-           'usage', 'LogprobFormat', 'sse', 'OpenAIReply', 'EngineCollector', 'ServerMetrics', 'RequestTimer',
-           'generate_all', 'OpenAIServer', 'chat_messages', 'ApiKeyCheck', 'build_app', 'bind_socket', 'serve']
+__all__ = ['MAX_REQUEST_BYTES', 'MAX_N', 'MAX_LOGPROBS', 'MAX_COMPLETION_LOGPROBS', 'MAX_PROMPTS_PER_REQUEST',
+           'MAX_QUEUED_TOKENS', 'HEALTH_TIMEOUT_S', 'SERVE_MAX_NUM_BATCHED_TOKENS', 'StreamOptions', 'SamplingFields',
+           'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'TokenizeRequest', 'DetokenizeRequest',
+           'AsciiJSONResponse', 'error_response', 'validation_message', 'is_json_content_type', 'http_error_message',
+           'check_limit', 'BodyLimit', 'longest_token_chars', 'PromptEncoder', 'usage', 'LogprobFormat', 'sse',
+           'OpenAIReply', 'EngineCollector', 'ServerMetrics', 'RequestTimer', 'generate_all', 'Overloaded',
+           'ClientGone', 'OpenAIServer', 'until_disconnected', 'chat_messages', 'AnswerFailures', 'ApiKeyCheck',
+           'build_app', 'bind_socket', 'serve']
 
 # %% ../nbs/13c_server.ipynb #ebfbba7b
 class StreamOptions(BaseModel):
@@ -109,10 +113,16 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 # %% ../nbs/13c_server.ipynb #c27834c2
+class AsciiJSONResponse(JSONResponse):
+    "JSON with every character past ASCII escaped: an error may quote text that UTF-8 cannot encode (a lone surrogate)."
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
+                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
     "An error as OpenAI's API returns it."
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
+    return AsciiJSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                             status_code=status, headers=headers)
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     "`(message, param)` for a body that does not match its request model: the first problem, named by its field."
@@ -157,11 +167,14 @@ MAX_REQUEST_BYTES = 4 * 2**20  # the largest request body a server reads, by def
 MAX_N = 128  # the most completions one prompt may ask for (OpenAI's limit), and never more than max_num_seqs
 MAX_LOGPROBS = 20  # the most likely tokens a chat reply may show per token (top_logprobs), as OpenAI and vLLM allow
 MAX_COMPLETION_LOGPROBS = 5  # the same for completions' logprobs (OpenAI's limit)
+MAX_PROMPTS_PER_REQUEST = 2048  # the most prompts one completions request may hold, by default (as OpenAI's 2,048 inputs)
+MAX_QUEUED_TOKENS = 2**20  # the most prompt tokens of requests taken and not finished, by default; past it, a 429
+HEALTH_TIMEOUT_S = 5.0  # how long /health waits for the engine core's answer to a ping, by default
 
-def check_max_request_bytes(value) -> None:
-    "`ValueError` unless `value` is a positive whole number of bytes."
+def check_limit(name: str, value, unit: str) -> None:
+    "`ValueError` naming `name` unless `value` is a positive whole number (of `unit`)."
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"max_request_bytes must be a positive whole number of bytes, got {value!r}")
+        raise ValueError(f"{name} must be a positive whole number of {unit}, got {value!r}")
 
 class BodyLimit:
     "ASGI middleware: a body over `max_bytes` gets a 413, by its Content-Length before it is read, else once it passes the limit."
@@ -236,7 +249,7 @@ class PromptEncoder:
     def check(self, prompt: str | list[int]) -> None:
         "`ValueError` if a prompt (text or token ids) cannot fit in max_model_len tokens, judged by its length alone."
         if isinstance(prompt, str):
-            self.check_chars(len(prompt))
+            self.check_chars(len(check_text(prompt)))
         elif len(prompt) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt)} tokens, but max_model_len is {self.max_model_len}: a prompt "
                              "must be shorter, to leave room for at least one generated token")
@@ -247,8 +260,11 @@ class PromptEncoder:
 
     async def encode(self, prompts: list[str | list[int]]) -> list[list[int]]:
         "Each prompt's token ids, after checking every length: texts tokenized in the tokenizer's thread, token ids as given."
-        for prompt in prompts:
-            self.check(prompt)
+        for i, prompt in enumerate(prompts):
+            try:
+                self.check(prompt)
+            except ValueError as e:  # of several prompts, say which
+                raise ValueError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
         texts = [p for p in prompts if isinstance(p, str)]
         encoded = iter(await self.run(lambda: [self.tokenizer.encode(t) for t in texts]) if texts else ())
         return [next(encoded) if isinstance(p, str) else p for p in prompts]
@@ -261,6 +277,9 @@ class PromptEncoder:
 
     async def encode_chat(self, messages: list[dict]) -> tuple[str, list[int]]:
         "A conversation's prompt text and token ids, rendered and tokenized in the tokenizer's thread, its length checked first."
+        for i, m in enumerate(messages):
+            check_text(m["role"], f"messages[{i}].role")
+            check_text(m["content"], f"messages[{i}].content")
         self.check_chars(sum(len(m["content"]) for m in messages), "the messages' content")  # the template only adds
         def render():
             text = self.chat_prompt(messages)
@@ -432,8 +451,10 @@ class RequestTimer:
 
 # %% ../nbs/13c_server.ipynb #f9a115e0
 async def generate_all(engine: AsyncLLM, prompts: list, params: SamplingParams, request_id: str,
-                       texts: list[str | None] | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
-    "Run one engine request per prompt at once (texts: what token-id prompts were tokenized from); yield `(prompt index, delta)` as they come. Leaving early aborts them all."
+                       texts: list[str | None] | None = None, window: int | None = None
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    "Run one engine request per prompt, at most `window` in the engine at once (None: all); yield `(prompt index, delta)` as they come. Leaving early aborts them all."
+    # texts: what token-id prompts were tokenized from
     texts = texts if texts is not None else [None] * len(prompts)
     if len(prompts) == 1:  # the usual request: the engine's stream itself, without a task and a queue per delta
         async with contextlib.aclosing(engine.generate(prompts[0], params, f"{request_id}-0", must_fit=True,
@@ -442,42 +463,56 @@ async def generate_all(engine: AsyncLLM, prompts: list, params: SamplingParams, 
                 yield 0, delta
         return
     queue: asyncio.Queue = asyncio.Queue()
-    async def pump(i, prompt):
+    todo = iter(range(len(prompts)))
+    async def pump():
+        "Run prompts one after another, each taken from `todo` as the last one ends."
         try:
-            # subtle: aclosing closes the engine's generator at once when this task is cancelled: that aborts it
-            async with contextlib.aclosing(engine.generate(prompt, params, f"{request_id}-{i}", must_fit=True,
-                                                           prompt_text=texts[i])) as s:
-                async for delta in s:
-                    await queue.put((i, delta))
+            for i in todo:  # subtle: one iterator for every pump, so each prompt is taken by exactly one of them
+                # subtle: aclosing closes the engine's generator at once when this task is cancelled: that aborts it
+                async with contextlib.aclosing(engine.generate(prompts[i], params, f"{request_id}-{i}", must_fit=True,
+                                                               prompt_text=texts[i])) as s:
+                    async for delta in s:
+                        queue.put_nowait((i, delta))
         except BaseException as e:
-            await queue.put((i, e))
+            queue.put_nowait(e)
             raise
         finally:
-            await queue.put((i, None))
-    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+            queue.put_nowait(None)
+    tasks = [asyncio.create_task(pump()) for _ in range(min(len(prompts), window or len(prompts)))]
     try:
         running = len(tasks)
         while running:
-            i, item = await queue.get()
+            item = await queue.get()
             if item is None:
                 running -= 1
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield i, item
+                yield item
     finally:
         for t in tasks: t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
 # %% ../nbs/13c_server.ipynb #29816288
+class Overloaded(Exception):
+    "The server holds too many prompt tokens to take this request now: a 429, try again soon."
+
+class ClientGone(Exception):
+    "The client closed its connection before the answer was ready."
+
 class OpenAIServer:
     "The state behind the routes: the engine, the model's name, the server's tokenizer and encoder, metrics, limits."
-    def __init__(self, engine: AsyncLLM, model_name: str, tokenizer=None):
+    def __init__(self, engine: AsyncLLM, model_name: str, tokenizer=None,
+                 max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST, max_queued_tokens: int = MAX_QUEUED_TOKENS):
         # tokenizer: the server's own copy (default: loaded from the engine's checkpoint); the engine's is its thread's
+        check_limit("max_prompts_per_request", max_prompts_per_request, "prompts")
+        check_limit("max_queued_tokens", max_queued_tokens, "tokens")
         self.engine, self.model_name = engine, model_name
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(Path(engine.args.model))
         self.max_model_len = engine.args.max_model_len
         self.max_n = min(MAX_N, engine.args.max_num_seqs)
+        self.max_prompts_per_request, self.max_queued_tokens = max_prompts_per_request, max_queued_tokens
+        self.queued_tokens = 0  # prompt tokens of the requests taken and not finished (in the event loop's thread)
         self.metrics, self.logprob_format = ServerMetrics(engine), LogprobFormat(self.tokenizer)
         self.encoder = PromptEncoder(self.tokenizer, self.max_model_len, model_name)
 
@@ -501,16 +536,75 @@ class OpenAIServer:
                                   f"got {body.n}: lower n, or send the prompt several times", param="n")
         return None
 
+    def check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> JSONResponse | None:
+        "The error response for tokenized prompts the engine would refuse, or too many tokens for the server, else None."
+        for i, ids in enumerate(prompts):
+            try:
+                self.engine.check(ids, params, must_fit=True)
+            except ValueError as e:
+                return error_response(400, f"prompt {i}: {e}" if len(prompts) > 1 else str(e), param="prompt")
+        if (tokens := sum(map(len, prompts))) > self.max_queued_tokens:
+            return error_response(400, f"the request's prompts hold {tokens:,} tokens, but this server holds at most "
+                                  f"{self.max_queued_tokens:,} at once (its max_queued_tokens): send fewer prompts per "
+                                  "request", param="prompt")
+        return None
+
 # %% ../nbs/13c_server.ipynb #f2cff7e0
+async def until_disconnected(http: HTTPRequest | None, work: Awaitable):
+    "What `work` gives; `ClientGone` (and `work` cancelled) if the client of `http` closes its connection first."
+    task = asyncio.ensure_future(work)
+    if http is None:
+        return await task
+    async def disconnected():
+        # subtle: the body has been read, so the server's next message is the disconnect (or none at all)
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+@patch
+async def held(self: OpenAIServer, stream: AsyncIterator, tokens: int) -> AsyncIterator:
+    "`stream`, its request's prompt `tokens` counted as queued from its start to its end; `Overloaded` at once if they do not fit."
+    if self.queued_tokens + tokens > self.max_queued_tokens:
+        raise Overloaded(f"the server holds {self.queued_tokens:,} prompt tokens of other requests, and this request's "
+                         f"{tokens:,} would pass its limit of {self.max_queued_tokens:,} (max_queued_tokens): try "
+                         "again in a moment")
+    self.queued_tokens += tokens  # subtle: checked and taken with no await between, so no other request slips in
+    try:
+        async with contextlib.aclosing(stream):
+            async for item in stream:
+                yield item
+    finally:  # subtle: a started generator always gets here: closed, or finalized by asyncio once nobody holds it
+        self.queued_tokens -= tokens
+
 @patch
 async def respond(self: OpenAIServer, body: SamplingFields, prompts: list[list[int]], params: SamplingParams, chat: bool,
-                  texts: list[str | None], timer: RequestTimer):
-    "Run the request and answer it whole or as a stream of server-sent events."
+                  texts: list[str | None], timer: RequestTimer, http: HTTPRequest | None = None):
+    "Run the request and answer it whole or as a stream of server-sent events; a client that leaves aborts all of it."
     reply = OpenAIReply(self.model_name, chat, params, len(prompts), self.logprob_format)
-    stream = generate_all(self.engine, prompts, params, reply.id, texts)
+    # subtle: a batch keeps at most one engine batch of its prompts in the engine, so later requests queue behind
+    # that many of them at most, never behind the whole batch
+    window = max(1, self.engine.args.max_num_seqs // params.n)
+    stream = self.held(generate_all(self.engine, prompts, params, reply.id, texts, window), sum(map(len, prompts)))
+    async def rest():
+        return [x async for x in stream]
     try:  # the first delta comes only once the engine has accepted the prompts: errors are still a 400
-        first = await anext(stream)
-        deltas = [first] + [x async for x in stream] if not body.stream else None
+        first = await until_disconnected(http, anext(stream))
+        deltas = [first] + await until_disconnected(http, rest()) if not body.stream else None
+    except ClientGone:  # every prompt of it is aborted already; nobody reads what we answer
+        await stream.aclose()
+        return Response(status_code=499)
+    except Overloaded as e:
+        return error_response(429, str(e), "rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
     except (ValueError, TypeError) as e:
         await stream.aclose()
         return error_response(400, str(e))
@@ -556,7 +650,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     return plain
 
 @patch
-async def completions(self: OpenAIServer, body: CompletionRequest):
+async def completions(self: OpenAIServer, body: CompletionRequest, http: HTTPRequest = None):
     if (error := self.check(body)) is not None:
         return error
     p = body.prompt
@@ -564,6 +658,10 @@ async def completions(self: OpenAIServer, body: CompletionRequest):
     if not prompts:
         return error_response(400, "prompt is empty: give a string, a list of token ids, or a list of those",
                               param="prompt")
+    if len(prompts) > self.max_prompts_per_request:
+        return error_response(400, f"the request holds {len(prompts):,} prompts, but this server takes at most "
+                              f"{self.max_prompts_per_request:,} per request (its max_prompts_per_request): split "
+                              "them into several requests", param="prompt")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
         return error_response(400, f"logprobs must be from 0 to {MAX_COMPLETION_LOGPROBS} for completions, got "
                               f"{body.logprobs}", param="logprobs")
@@ -572,17 +670,19 @@ async def completions(self: OpenAIServer, body: CompletionRequest):
     timer = RequestTimer(self.metrics)
     try:
         params = body.sampling_params(body.max_tokens, body.logprobs)
-    except ValueError as e:
-        return error_response(400, str(e))
+    except ValueError as e:  # a ParamError names its field
+        return error_response(400, str(e), param=getattr(e, "param", None))
     try:
         token_ids = await self.encoder.encode(prompts)
     except ValueError as e:
         return error_response(400, str(e), param="prompt")
+    if (error := self.check_prompts(token_ids, params)) is not None:
+        return error
     texts = [p if isinstance(p, str) else None for p in prompts]
-    return await self.respond(body, token_ids, params, False, texts, timer)
+    return await self.respond(body, token_ids, params, False, texts, timer, http)
 
 @patch
-async def chat_completions(self: OpenAIServer, body: ChatCompletionRequest):
+async def chat_completions(self: OpenAIServer, body: ChatCompletionRequest, http: HTTPRequest = None):
     if (error := self.check(body)) is not None:
         return error
     if not body.messages:
@@ -599,13 +699,15 @@ async def chat_completions(self: OpenAIServer, body: ChatCompletionRequest):
     timer = RequestTimer(self.metrics)
     try:
         params = body.sampling_params(body.max_completion_tokens or body.max_tokens, k if body.logprobs else None)
-    except ValueError as e:
-        return error_response(400, str(e))
+    except ValueError as e:  # a ParamError names its field
+        return error_response(400, str(e), param=getattr(e, "param", None))
     try:
         text, token_ids = await self.encoder.encode_chat(messages)
     except ValueError as e:
         return error_response(400, str(e), param="messages")
-    return await self.respond(body, [token_ids], params, True, [text], timer)
+    if (error := self.check_prompts([token_ids], params)) is not None:
+        return error
+    return await self.respond(body, [token_ids], params, True, [text], timer, http)
 
 # %% ../nbs/13c_server.ipynb #76a62984
 @patch
@@ -638,6 +740,27 @@ async def detokenize(self: OpenAIServer, body: DetokenizeRequest):
     return {"prompt": await self.encoder.run(self.tokenizer.decode, body.tokens)}
 
 # %% ../nbs/13c_server.ipynb #42d87420
+class AnswerFailures:
+    "ASGI middleware: a route that fails unexpectedly answers a 500 in OpenAI's shape, the connection stays open, the traceback goes to the log."
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+        async def send_noting_start(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, send_noting_start)
+        except Exception as e:  # subtle: not re-raised (as Starlette's own handler does), which would reset the connection
+            logger.exception(f"the server failed on {scope['method']} {scope['path']}")
+            if not started:
+                await error_response(500, f"the server failed on this request ({type(e).__name__}: {e}): please "
+                                     "report it, with the request", "server_error")(scope, receive, send)
+
 class ApiKeyCheck:
     "ASGI middleware: a request to a guarded path without `Authorization: Bearer <api_key>` gets OpenAI's 401."
     GUARDED = ("/v1", "/tokenize", "/detokenize")
@@ -656,10 +779,11 @@ class ApiKeyCheck:
 
 # %% ../nbs/13c_server.ipynb #c25037ea
 def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tokenizer=None,
-              max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = MAX_REQUEST_BYTES, max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST,
+              max_queued_tokens: int = MAX_QUEUED_TOKENS, health_timeout_s: float = HEALTH_TIMEOUT_S) -> FastAPI:
     "The OpenAI-compatible app over `engine`, serving it as `model_name`; with `api_key`, /v1 needs `Authorization: Bearer KEY`."
-    check_max_request_bytes(max_request_bytes)
-    server = OpenAIServer(engine, model_name, tokenizer)
+    check_limit("max_request_bytes", max_request_bytes, "bytes")
+    server = OpenAIServer(engine, model_name, tokenizer, max_prompts_per_request, max_queued_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -684,11 +808,6 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tok
         r.headers.update(exc.headers or {})
         return r
 
-    @app.exception_handler(Exception)
-    async def server_error(request: HTTPRequest, exc: Exception):
-        return error_response(500, f"the server failed on this request ({type(exc).__name__}: {exc}): please report "
-                              "it, with the request", "server_error")
-
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat_completions)
     app.post("/tokenize")(server.tokenize)
@@ -705,14 +824,15 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tok
 
     @app.get("/health")
     async def health():
-        if engine.is_running:
+        if (problem := await engine.check_health(health_timeout_s)) is None:
             return Response(status_code=200)
-        return error_response(503, f"the engine has stopped ({engine.error})", "server_error")
+        return error_response(503, f"the engine cannot serve now: {problem}", "server_error")
 
     @app.get("/metrics")
     async def prometheus():
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.add_middleware(AnswerFailures)  # subtle: added first, so innermost: it sees what a route raises
     if api_key is not None:
         app.add_middleware(ApiKeyCheck, api_key=api_key)
     # subtle: added last, so outermost: a body past the limit is refused before any other middleware reads it
@@ -755,15 +875,18 @@ SERVE_MAX_NUM_BATCHED_TOKENS = 2048  # tokens per step when serving (vLLM's serv
 def serve(model: str | Path | None = None, tensor_parallel_size: int = 1, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, served_model_name: str | None = None, log_level: str = "warning",
           max_request_bytes: int = MAX_REQUEST_BYTES, max_num_batched_tokens: int | None = None,
+          max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST, max_queued_tokens: int = MAX_QUEUED_TOKENS,
           **engine_kwargs) -> None:
     "Serve a model over OpenAI's API until SIGINT or SIGTERM, then close the engine (workers ended, shared memory freed); `SystemExit(1)` if the engine dies."
-    check_max_request_bytes(max_request_bytes)
+    check_limit("max_request_bytes", max_request_bytes, "bytes")
+    check_limit("max_prompts_per_request", max_prompts_per_request, "prompts")
+    check_limit("max_queued_tokens", max_queued_tokens, "tokens")
     engine_kwargs["max_num_batched_tokens"] = max_num_batched_tokens or SERVE_MAX_NUM_BATCHED_TOKENS
     sock, engine, previous = bind_socket(host, port), None, signal.getsignal(signal.SIGTERM)
     try:
         engine = AsyncLLM(model, tensor_parallel_size, **engine_kwargs)  # the engine core, in its own process
         name = served_model_name or (str(model) if model is not None else "minivllm-default")
-        app = build_app(engine, name, api_key, None, max_request_bytes)
+        app = build_app(engine, name, api_key, None, max_request_bytes, max_prompts_per_request, max_queued_tokens)
         server = _Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3), engine)
         shown = f"[{host}]" if ":" in host else host
         logger.info(f"serving {name!r} at http://{shown}:{sock.getsockname()[1]}/v1 (Ctrl-C or SIGTERM stops it)")

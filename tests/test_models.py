@@ -206,3 +206,17 @@ def test_finite_weights_whose_sum_overflows_still_load(tmp_path):
     poisoned_copy(good, tmp_path / "big", big)
     model = load_model(tmp_path / "big")
     assert torch.equal(model.model.norm.weight, torch.full_like(model.model.norm.weight, 60_000.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int32])
+def test_integer_weights_are_refused_at_load_naming_the_tensor(tmp_path, dtype):
+    "A quantized (or broken) checkpoint is refused in one line that names the tensor, not served as noise."
+    good = make_tiny_checkpoint(tmp_path / "good", "qwen3")
+    name = "model.layers.0.mlp.down_proj.weight"
+    def quantize(t): t[name] = t[name].clamp(-1, 1).mul(100).to(dtype)
+    weights = poisoned_copy(good, tmp_path / "int", quantize)
+    with pytest.raises(ValueError) as e:
+        load_model(tmp_path / "int")
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{weights.absolute()}: tensor {name!r} is {str(dtype)[6:]}")
+    assert "minivllm loads floating-point weights" in message
