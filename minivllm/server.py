@@ -44,7 +44,7 @@ __all__ = ['MAX_REQUEST_BYTES', 'MAX_N', 'MAX_LOGPROBS', 'MAX_COMPLETION_LOGPROB
            'AsciiJSONResponse', 'error_response', 'validation_message', 'is_json_content_type', 'http_error_message',
            'check_limit', 'BodyLimit', 'longest_token_chars', 'PromptEncoder', 'usage', 'LogprobFormat', 'sse',
            'OpenAIReply', 'EngineCollector', 'ServerMetrics', 'RequestTimer', 'generate_all', 'Overloaded',
-           'ClientGone', 'OpenAIServer', 'until_disconnected', 'chat_messages', 'AnswerFailures', 'ApiKeyCheck',
+           'ClientGone', 'OpenAIServer', 'until_disconnected', 'chat_messages', 'ApiKeyCheck', 'AnswerFailures',
            'build_app', 'bind_socket', 'serve']
 
 # %% ../nbs/13c_server.ipynb #ebfbba7b
@@ -740,6 +740,23 @@ async def detokenize(self: OpenAIServer, body: DetokenizeRequest):
     return {"prompt": await self.encoder.run(self.tokenizer.decode, body.tokens)}
 
 # %% ../nbs/13c_server.ipynb #42d87420
+class ApiKeyCheck:
+    "ASGI middleware: a request to a guarded path without `Authorization: Bearer <api_key>` gets OpenAI's 401."
+    GUARDED = ("/v1", "/tokenize", "/detokenize")
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith(self.GUARDED):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not secrets.compare_digest(given, self.expected):
+                refusal = error_response(401, "invalid API key: send the server's key as 'Authorization: Bearer KEY'",
+                                         "authentication_error", code="invalid_api_key")
+                return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
+
+# %% ../nbs/13c_server.ipynb #dc33bcdb
 class AnswerFailures:
     "ASGI middleware: a route that fails unexpectedly answers a 500 in OpenAI's shape, the connection stays open, the traceback goes to the log."
     def __init__(self, app):
@@ -760,22 +777,6 @@ class AnswerFailures:
             if not started:
                 await error_response(500, f"the server failed on this request ({type(e).__name__}: {e}): please "
                                      "report it, with the request", "server_error")(scope, receive, send)
-
-class ApiKeyCheck:
-    "ASGI middleware: a request to a guarded path without `Authorization: Bearer <api_key>` gets OpenAI's 401."
-    GUARDED = ("/v1", "/tokenize", "/detokenize")
-
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith(self.GUARDED):
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not secrets.compare_digest(given, self.expected):
-                refusal = error_response(401, "invalid API key: send the server's key as 'Authorization: Bearer KEY'",
-                                         "authentication_error", code="invalid_api_key")
-                return await refusal(scope, receive, send)
-        await self.app(scope, receive, send)
 
 # %% ../nbs/13c_server.ipynb #c25037ea
 def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tokenizer=None,

@@ -214,6 +214,12 @@ def test_clients_that_drop_mid_stream_leave_no_blocks(tp2):
     ({"model": "tiny", "prompt": "Hi", "n": 10000}, 400, "n must be at most 128"),
     ({"model": "tiny", "prompt": "x" * 1_000_000}, 400, "max_model_len is 256 tokens"),
     ({"model": "tiny", "prompt": ["Hi", "x" * 100_000]}, 400, "characters can fit; shorten it"),
+    # values finite or whole in JSON that the engine cannot hold (float32, int64): refused before the engine sees them
+    ({"model": "tiny", "prompt": "Hi", "temperature": 3.5e38}, 400, "infinite in float32"),
+    ({"model": "tiny", "prompt": "Hi", "top_p": 1e-46}, 400, "0.0 in float32"),
+    ({"model": "tiny", "prompt": "Hi", "top_k": 2**63}, 400, "fit in 64 bits"),
+    ({"model": "tiny", "prompt": "Hi", "seed": 2**80}, 400, "fit in 64 bits"),
+    ({"model": "tiny", "prompt": [[1, 2], [1] * 300]}, 400, "prompt 1: the prompt has 300 tokens"),
 ])
 def test_bad_completion_requests_get_openai_errors_and_the_server_goes_on(tp2, body, status, message):
     r = httpx.post(tp2.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)

@@ -78,12 +78,14 @@ def default_sigint() -> None:
 
 class ServerProcess:
     "`minivllm serve ARGS` in a child process on a free loopback port; `url` once it listens; SIGTERM when the block ends."
-    def __init__(self, *args: str, timeout_s: float = 180.0):
+    def __init__(self, *args: str, timeout_s: float = 180.0, env: dict | None = None):
+        # env: variables to set for the server, over this process's own (e.g. TMPDIR)
         import queue, re, subprocess, sys, threading
         self.log: list[str] = []  # everything the server wrote to stderr
         # its own process group, so that a test can press Ctrl-C on the server alone (os.killpg), as a terminal does
         self.proc = subprocess.Popen([sys.executable, "-m", "minivllm", "serve", "--port", "0", *args],
-                                     stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint, start_new_session=True)
+                                     stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint, start_new_session=True,
+                                     env=os.environ | env if env is not None else None)
         lines: queue.Queue = queue.Queue()
         def drain():  # subtle: read stderr to the end, or a chatty server would block on a full pipe
             for line in self.proc.stderr:
