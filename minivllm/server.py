@@ -43,9 +43,9 @@ __all__ = ['MAX_REQUEST_BYTES', 'MAX_N', 'MAX_LOGPROBS', 'MAX_COMPLETION_LOGPROB
            'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'TokenizeRequest', 'DetokenizeRequest',
            'AsciiJSONResponse', 'error_response', 'validation_message', 'is_json_content_type', 'http_error_message',
            'check_limit', 'BodyLimit', 'longest_token_chars', 'PromptEncoder', 'usage', 'LogprobFormat', 'sse',
-           'OpenAIReply', 'EngineCollector', 'ServerMetrics', 'RequestTimer', 'generate_all', 'Overloaded',
-           'ClientGone', 'OpenAIServer', 'until_disconnected', 'chat_messages', 'ApiKeyCheck', 'AnswerFailures',
-           'build_app', 'bind_socket', 'serve']
+           'OpenAIReply', 'EngineCollector', 'ServerMetrics', 'RequestTimer', 'generate_all', 'batch_window',
+           'Overloaded', 'ClientGone', 'OpenAIServer', 'until_disconnected', 'chat_messages', 'ApiKeyCheck',
+           'AnswerFailures', 'build_app', 'bind_socket', 'serve']
 
 # %% ../nbs/13c_server.ipynb #ebfbba7b
 class StreamOptions(BaseModel):
@@ -494,6 +494,12 @@ async def generate_all(engine: AsyncLLM, prompts: list, params: SamplingParams, 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 # %% ../nbs/13c_server.ipynb #29816288
+def batch_window(max_num_seqs: int) -> int:
+    "How many sequences of one batch request the engine holds at once: three quarters of a batch, the rest kept for others."
+    # subtle: a batch whose prompts filled every slot would free them in bursts, as its prompts end together; a
+    # request arriving just after a burst would wait a whole generation for a slot. A quarter kept free admits it at once.
+    return max(1, max_num_seqs - max_num_seqs // 4)
+
 class Overloaded(Exception):
     "The server holds too many prompt tokens to take this request now: a 429, try again soon."
 
@@ -591,9 +597,7 @@ async def respond(self: OpenAIServer, body: SamplingFields, prompts: list[list[i
                   texts: list[str | None], timer: RequestTimer, http: HTTPRequest | None = None):
     "Run the request and answer it whole or as a stream of server-sent events; a client that leaves aborts all of it."
     reply = OpenAIReply(self.model_name, chat, params, len(prompts), self.logprob_format)
-    # subtle: a batch keeps at most one engine batch of its prompts in the engine, so later requests queue behind
-    # that many of them at most, never behind the whole batch
-    window = max(1, self.engine.args.max_num_seqs // params.n)
+    window = max(1, batch_window(self.engine.args.max_num_seqs) // params.n)
     stream = self.held(generate_all(self.engine, prompts, params, reply.id, texts, window), sum(map(len, prompts)))
     async def rest():
         return [x async for x in stream]

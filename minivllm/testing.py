@@ -32,13 +32,13 @@ from .engine.wire import ClusterKey
 from .shm_allreduce import SEGMENT_PREFIX
 
 # %% auto #0
-__all__ = ['CHAT_TEMPLATE', 'ATTENTION_TOL', 'FAKE_VOCAB', 'make_chat_checkpoint', 'greedy_generate', 'prefill_logits',
-           'hf_logits', 'hf_greedy', 'rand', 'load_layer', 'load_tensors', 'split_heads', 'gqa_attention', 'TinyLM',
-           'hf_rope', 'hf_rotate', 'dense_causal_attention', 'random_sequences', 'cat_rows', 'scattered_block_tables',
-           'tiny_store_inputs', 'PagedCase', 'check_prefill_then_decode', 'check_invariants', 'next_token',
-           'FakeRunner', 'reference_tokens', 'check_batch', 'step_states', 'run_scheduler', 'InterruptedAfterOneStep',
-           'Recorder', 'records', 'CommandRecorder', 'serve_commands', 'gone', 'wait_until', 'rank_processes',
-           'shm_segments', 'leftover_segments', 'WorkerNode', 'tcp_listeners']
+__all__ = ['CHAT_TEMPLATE', 'ATTENTION_TOL', 'FAKE_VOCAB', 'BAD_REQUEST_VALUES', 'make_chat_checkpoint', 'greedy_generate',
+           'prefill_logits', 'hf_logits', 'hf_greedy', 'rand', 'load_layer', 'load_tensors', 'split_heads',
+           'gqa_attention', 'TinyLM', 'hf_rope', 'hf_rotate', 'dense_causal_attention', 'random_sequences', 'cat_rows',
+           'scattered_block_tables', 'tiny_store_inputs', 'PagedCase', 'check_prefill_then_decode', 'check_invariants',
+           'next_token', 'FakeRunner', 'reference_tokens', 'check_batch', 'step_states', 'run_scheduler',
+           'InterruptedAfterOneStep', 'Recorder', 'records', 'CommandRecorder', 'serve_commands', 'gone', 'wait_until',
+           'rank_processes', 'shm_segments', 'leftover_segments', 'WorkerNode', 'tcp_listeners']
 
 # %% ../nbs/18_testing.ipynb #9570d09d
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -467,6 +467,26 @@ def leftover_segments(before: set[str], pid: int | None = None) -> list[str]:
         if creator.isdigit() and (int(creator) == pid or gone(int(creator))):
             left.append(name)
     return left
+
+# %% ../nbs/18_testing.ipynb #2b83516e
+BAD_REQUEST_VALUES = [
+    ({"temperature": 3.5e38}, "temperature", "infinite in float32"),
+    ({"top_p": 1e-46}, "top_p", "0.0 in float32"),
+    ({"top_k": 2**63}, "top_k", "fit in 64 bits"),
+    ({"top_k": 2**64 - 1}, "top_k", "fit in 64 bits"),
+    ({"seed": 2**80}, "seed", "fit in 64 bits"),
+    ({"max_tokens": 2**64}, "max_tokens", "fit in 64 bits"),
+    ({"max_tokens": 1e100}, "max_tokens", "max_tokens"),
+    ({"min_tokens": 2**63, "max_tokens": None}, "min_tokens", "fit in 64 bits"),
+    ({"repetition_penalty": 1e-50}, "repetition_penalty", "0.0 in float32"),
+    ({"repetition_penalty": 3.5e38}, "repetition_penalty", "infinite in float32"),
+    ({"stop_token_ids": [2**64]}, "stop_token_ids", "fit in 64 bits"),
+    ({"stop": "\ud800"}, "stop", "not valid Unicode"),
+    ({"prompt": "\ud800"}, "prompt", "not valid Unicode"),
+    ({"prompt": [2**64]}, None, "out of range for a vocabulary"),
+    ({"n": 2**64}, "n", "n must be at most"),
+    ({"logprobs": 2**64}, "logprobs", "logprobs must be from 0 to 5"),
+]
 
 # %% ../nbs/18_testing.ipynb #425472c7
 class WorkerNode:

@@ -15,29 +15,10 @@ import msgspec
 import pytest
 
 from minivllm import SamplingParams
+from minivllm.distributed import process_state
 from minivllm.engine.core import AddRequest, EngineCoreProcess, Ping, Pong, Rejected, StepOutputs
-from minivllm.testing import ServerProcess, gone, make_chat_checkpoint, rank_processes, wait_until
-
-# Values that JSON carries and Python holds, but the engine cannot: each must be a 400 naming its field.
-BAD_VALUES = [
-    ({"temperature": 3.5e38}, "temperature", "infinite in float32"),
-    ({"top_p": 1e-46}, "top_p", "0.0 in float32"),
-    ({"top_k": 2**63}, "top_k", "fit in 64 bits"),
-    ({"top_k": 2**64 - 1}, "top_k", "fit in 64 bits"),
-    ({"seed": 2**80}, "seed", "fit in 64 bits"),
-    ({"max_tokens": 2**64}, "max_tokens", "fit in 64 bits"),
-    ({"max_tokens": 1e100}, "max_tokens", "max_tokens"),
-    ({"min_tokens": 2**63, "max_tokens": None}, "min_tokens", "fit in 64 bits"),
-    ({"repetition_penalty": 1e-50}, "repetition_penalty", "0.0 in float32"),
-    ({"repetition_penalty": 3.5e38}, "repetition_penalty", "infinite in float32"),
-    ({"stop_token_ids": [2**64]}, "stop_token_ids", "fit in 64 bits"),
-    ({"stop": "\ud800"}, "stop", "not valid Unicode"),
-    ({"prompt": "\ud800"}, "prompt", "not valid Unicode"),
-    ({"prompt": [2**64]}, None, "out of range for a vocabulary"),
-    ({"n": 2**64}, "n", "n must be at most"),
-    ({"logprobs": 2**64}, "logprobs", "logprobs must be from 0 to 5"),
-]
-
+from minivllm.testing import (BAD_REQUEST_VALUES as BAD_VALUES, ServerProcess, gone, make_chat_checkpoint, rank_processes,
+                              wait_until)
 
 @pytest.fixture(scope="module")
 def chat_ckpt(tmp_path_factory):
@@ -201,6 +182,7 @@ def test_health_is_503_while_the_engine_core_is_stopped_and_200_again_after(serv
     assert httpx.get(server.url + "/health").status_code == 200
     os.kill(core, signal.SIGSTOP)
     try:
+        assert wait_until(lambda: process_state(core) == "stopped", 5)  # the kernel takes a moment
         start = time.monotonic()
         r = httpx.get(server.url + "/health", timeout=30)
         assert r.status_code == 503 and f"the engine core (pid {core}) is stopped" in r.json()["error"]["message"]
