@@ -38,7 +38,8 @@ __all__ = ['CHAT_TEMPLATE', 'ATTENTION_TOL', 'FAKE_VOCAB', 'BAD_REQUEST_VALUES',
            'scattered_block_tables', 'tiny_store_inputs', 'PagedCase', 'check_prefill_then_decode', 'check_invariants',
            'next_token', 'FakeRunner', 'reference_tokens', 'check_batch', 'step_states', 'run_scheduler',
            'InterruptedAfterOneStep', 'Recorder', 'records', 'CommandRecorder', 'serve_commands', 'gone', 'wait_until',
-           'rank_processes', 'shm_segments', 'leftover_segments', 'WorkerNode', 'tcp_listeners']
+           'rank_processes', 'shm_segments', 'leftover_segments', 'server_metrics', 'rss_mib', 'WorkerNode',
+           'tcp_listeners']
 
 # %% ../nbs/18_testing.ipynb #9570d09d
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -487,6 +488,18 @@ BAD_REQUEST_VALUES = [
     ({"n": 2**64}, "n", "n must be at most"),
     ({"logprobs": 2**64}, "logprobs", "logprobs must be from 0 to 5"),
 ]
+
+# %% ../nbs/18_testing.ipynb #5de8e11a
+def server_metrics(url: str) -> dict[str, float]:
+    "The Prometheus samples without labels of the server at `url`, by name."
+    import httpx
+    text = httpx.get(url + "/metrics", timeout=60).text
+    return {l.split()[0]: float(l.split()[1]) for l in text.splitlines() if l and not l.startswith("#") and "{" not in l}
+
+def rss_mib(pid: int) -> float:
+    "The resident memory of process `pid`, in MiB (Linux)."
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return int(next(l for l in status if l.startswith("VmRSS:")).split()[1]) / 1024
 
 # %% ../nbs/18_testing.ipynb #425472c7
 class WorkerNode:

@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from minivllm.testing import leftover_segments, rank_processes, shm_segments  # noqa: E402 (after TRITON_INTERPRET)
+from minivllm.testing import leftover_segments, make_chat_checkpoint, rank_processes, shm_segments  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NBS = ROOT / "nbs"
@@ -27,3 +27,9 @@ def nothing_left_behind():
     left = leftover_segments(before)
     for name in left: (Path("/dev/shm") / name).unlink(missing_ok=True)  # so that later tests start clean
     assert not left, f"shared-memory segments left in /dev/shm: {left}"
+
+
+@pytest.fixture(scope="session")
+def chat_ckpt(tmp_path_factory):
+    "A tiny checkpoint with the packaged tokenizer and a chat template (notebook 18), shared by the server tests."
+    return make_chat_checkpoint(tmp_path_factory.mktemp("chat"))

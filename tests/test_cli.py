@@ -19,7 +19,7 @@ import pytest
 from minivllm import __version__
 from minivllm.cli import main
 from minivllm.llm import DEFAULT_MODEL
-from minivllm.testing import (ServerProcess, default_sigint, gone, make_chat_checkpoint, make_tiny_checkpoint,
+from minivllm.testing import (ServerProcess, default_sigint, gone, make_tiny_checkpoint,
                               rank_processes, wait_until)
 
 OPTIONS = ("--model", "--tensor-parallel-size", "--max-tokens", "--temperature", "--top-k", "--top-p", "--seed",
@@ -214,11 +214,6 @@ def test_serve_passes_every_option_to_the_server(monkeypatch):
                                   master_port=0)
     assert main(["serve", model, "--model", model, "--tp", "2"]) == 0
     assert seen["args"][:2] == (DEFAULT_MODEL, 2)
-
-
-@pytest.fixture(scope="module")
-def chat_ckpt(tmp_path_factory):
-    return make_chat_checkpoint(tmp_path_factory.mktemp("chat"))
 
 
 def test_serve_model_tp_2_serves(chat_ckpt):

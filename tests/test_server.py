@@ -12,15 +12,10 @@ import openai
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.testing import ServerProcess, gone, make_chat_checkpoint, rank_processes, shm_segments, wait_until
+from minivllm.testing import ServerProcess, gone, rank_processes, server_metrics, shm_segments, wait_until
 
 KEY = "test-key"
 HELLO = [{"role": "user", "content": "Say something."}]
-
-
-@pytest.fixture(scope="module")
-def chat_ckpt(tmp_path_factory):
-    return make_chat_checkpoint(tmp_path_factory.mktemp("chat"))
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +33,7 @@ def client(server) -> openai.OpenAI:
 
 def metrics(server) -> dict[str, float]:
     "The server's Prometheus samples without labels, by name."
-    text = httpx.get(server.url + "/metrics").text
-    return {l.split()[0]: float(l.split()[1]) for l in text.splitlines() if l and not l.startswith("#") and "{" not in l}
+    return server_metrics(server.url)
 
 
 def test_the_openai_client_gets_completions_and_chats_streamed_and_whole(tp2, chat_ckpt):

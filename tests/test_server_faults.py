@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import msgspec
@@ -17,13 +16,8 @@ import pytest
 from minivllm import SamplingParams
 from minivllm.distributed import process_state
 from minivllm.engine.core import AddRequest, EngineCoreProcess, Ping, Pong, Rejected, StepOutputs
-from minivllm.testing import (BAD_REQUEST_VALUES as BAD_VALUES, ServerProcess, gone, make_chat_checkpoint, rank_processes,
-                              wait_until)
-
-@pytest.fixture(scope="module")
-def chat_ckpt(tmp_path_factory):
-    return make_chat_checkpoint(tmp_path_factory.mktemp("chat"))
-
+from minivllm.testing import (BAD_REQUEST_VALUES as BAD_VALUES, ServerProcess, gone, rank_processes, rss_mib,
+                              server_metrics as metrics, wait_until)
 
 @pytest.fixture(scope="module")
 def server(chat_ckpt):
@@ -36,15 +30,6 @@ def server(chat_ckpt):
 def post_raw(client: httpx.Client, path: str, body: dict) -> httpx.Response:
     "POST `body` as JSON text that Python's json writes (a lone surrogate as its \\ud800 escape, as any client may)."
     return client.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
-
-
-def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics").text
-    return {l.split()[0]: float(l.split()[1]) for l in text.splitlines() if l and not l.startswith("#") and "{" not in l}
-
-
-def rss_mib(pid: int) -> float:
-    return int(next(l for l in Path(f"/proc/{pid}/status").read_text().splitlines() if l.startswith("VmRSS:")).split()[1]) / 1024
 
 
 def test_every_bad_value_is_a_400_naming_its_field_and_the_next_request_is_served_within_1s(server):

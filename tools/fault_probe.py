@@ -20,17 +20,8 @@ from pathlib import Path
 import httpx
 
 from minivllm.distributed import process_state
-from minivllm.testing import BAD_REQUEST_VALUES, ServerProcess, rank_processes, wait_until
-
-
-def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return {l.split()[0]: float(l.split()[1]) for l in text.splitlines() if l and not l.startswith("#") and "{" not in l}
-
-
-def rss_mib(pid: int) -> float:
-    status = Path(f"/proc/{pid}/status").read_text().splitlines()
-    return int(next(l for l in status if l.startswith("VmRSS:")).split()[1]) / 1024
+from minivllm.testing import BAD_REQUEST_VALUES, ServerProcess, rank_processes, rss_mib, wait_until
+from minivllm.testing import server_metrics as metrics
 
 
 def post_raw(client: httpx.Client, path: str, body: dict) -> httpx.Response:
