@@ -28,8 +28,8 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['divide', 'Communicator', 'CountingCommunicator', 'describe_exit', 'RankProcess', 'free_port', 'listen_socket',
-           'RankFailure', 'process_state', 'PeerWatch', 'default_backend', 'store_server', 'ProcessGroupCommunicator',
-           'shutdown_groups', 'run_on_ranks', 'end_processes']
+           'RankFailure', 'process_state', 'PeerWatch', 'default_device', 'default_backend', 'store_server',
+           'ProcessGroupCommunicator', 'shutdown_groups', 'run_on_ranks', 'end_processes']
 
 # %% ../nbs/01_distributed.ipynb #aff03d8a
 def divide(numerator: int, denominator: int, what: str = "value") -> int:
@@ -263,9 +263,15 @@ class PeerWatch:
                 self._stopped_since.pop(rank, None)
 
 # %% ../nbs/01_distributed.ipynb #ddfea802
-def default_backend() -> str:
-    "`nccl` when CUDA is available, else `gloo`."
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def default_device(ranks_here: int = 1) -> str:
+    "`cuda` when this machine has a CUDA GPU for each of its `ranks_here` ranks, else `cpu`."
+    # subtle: a laptop with one GPU runs a TP=2 engine (and the test suite's two-rank tests) on its CPU, rather than
+    # failing for want of a second GPU; device='cuda' given outright still insists on the GPUs
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks_here else "cpu"
+
+def default_backend(ranks_here: int = 1) -> str:
+    "`nccl` for ranks on GPUs (`default_device`), else `gloo`."
+    return "nccl" if default_device(ranks_here) == "cuda" else "gloo"
 
 def _torch_version() -> tuple[int, int]:
     "PyTorch's (major, minor) version."
@@ -426,7 +432,6 @@ def connect(cls: ProcessGroupCommunicator, rank: int | None = None, world_size: 
     "Join a new group of `world_size` ranks meeting at `host:port` (rank 0 serves it, on `listener` if given); with no arguments, torchrun's variables. `options` go to `_setup`."
     # `store`: a rendezvous store the caller made (and keeps); `bind`: the address this rank's gloo listens on
     # (default `host`); `node`: the name of this rank's machine (default its host name)
-    backend = backend or default_backend()
     timeout = timedelta(seconds=timeout_s)
     env_launch = rank is None and world_size is None and port is None and listener is None and store is None
     if store is not None:
@@ -450,6 +455,8 @@ def connect(cls: ProcessGroupCommunicator, rank: int | None = None, world_size: 
         store = (store_server(host, port, world_size, listener, timeout) if rank == 0
                  else dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout))
     bind = bind or host
+    # subtle: torchrun says how many ranks share this machine; started here, all of the group's ranks do
+    backend = backend or default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         if local_rank >= torch.cuda.device_count():

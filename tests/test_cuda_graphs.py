@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
+from minivllm.config import Config
 from minivllm.engine.cuda_graphs import DecodeBuffers, graph_batch_sizes, pick_graph_batch_size, run_padded
 from minivllm.kv_cache import allocate_kv_cache, decode_metadata, prefill_metadata
 from minivllm.models import load_model
@@ -90,6 +91,21 @@ def test_enforce_eager_on_and_off_give_identical_outputs(tmp_path):
     assert outs[0] == outs[1]
 
 
+def seeded_prompts(vocab_size: int, lengths=(5, 17, 33, 64, 100, 7, 250, 12, 3)) -> list[list[int]]:
+    "Prompts of these lengths, each seeded by its length, every id within the model's vocabulary."
+    return [torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+
+
+def test_the_graph_tests_prompts_fit_every_model_they_run(tmp_path):
+    "The CUDA test's prompts, run here on the CPU: ids beyond a tiny model's vocabulary would be refused."
+    path = make_tiny_checkpoint(tmp_path, "qwen3", dtype="bfloat16")
+    prompts = seeded_prompts(Config.from_pretrained(path).vocab_size)
+    assert max(map(max, prompts)) < Config.from_pretrained(path).vocab_size
+    with LLM(path, max_model_len=512, max_num_seqs=16) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [2] * len(prompts)
+
+
 @needs_cuda
 @pytest.mark.parametrize("shape", ["tiny", "qwen3-0.6b"])
 def test_graph_replay_gives_eager_tokens_on_cuda(tmp_path, shape):
@@ -97,8 +113,7 @@ def test_graph_replay_gives_eager_tokens_on_cuda(tmp_path, shape):
         dtype="bfloat16", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, initializer_range=0.02)
     path = make_tiny_checkpoint(tmp_path, "qwen3", **kw)
-    prompts = [torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-               for n in (5, 17, 33, 64, 100, 7, 250, 12, 3)]
+    prompts = seeded_prompts(Config.from_pretrained(path).vocab_size)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = []
     for eager in (True, False):

@@ -263,3 +263,19 @@ def test_listen_socket_holds_the_port_from_the_start():
         with socket.socket() as other, pytest.raises(OSError):
             other.bind(("127.0.0.1", port))
     assert not rank_processes(os.getpid())
+
+
+def test_a_one_gpu_machine_runs_two_ranks_on_the_cpu_unless_told_otherwise(monkeypatch, caplog, tmp_path):
+    "The default device and backend count the GPUs: one GPU and two ranks means the CPU and gloo, said once."
+    from minivllm.distributed import default_backend, default_device
+    from minivllm.engine.model_runner import EngineArgs
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert (default_device(1), default_backend(1)) == ("cuda", "nccl")
+    assert (default_device(2), default_backend(2)) == ("cpu", "gloo")
+    with caplog.at_level("WARNING", logger="minivllm"):
+        assert EngineArgs(tmp_path, tensor_parallel_size=2).device == "cpu"
+    assert "needs 2 GPUs on this machine, but 1 are visible: its ranks run on the CPU" in caplog.text
+    assert EngineArgs(tmp_path, tensor_parallel_size=1).device == "cuda"
+    with pytest.raises(ValueError, match="needs 2 GPUs per machine, but 1 are visible"):
+        EngineArgs(tmp_path, tensor_parallel_size=2, device="cuda")  # told to use GPUs: it insists

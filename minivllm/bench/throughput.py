@@ -67,23 +67,30 @@ def bench_minivllm(model: str | Path | None, workload: Workload, tensor_parallel
 
 SAMPLE = 8  # requests whose tokens are kept, to check that two engines agree
 
-def bench_transformers(model: str | Path, workload: Workload, dtype: str | None = None, batch_size: int = 1) -> Result:
-    "transformers' `generate` on `workload`: one request at a time, or left-padded batches run to their longest output."
+def bench_transformers(model: str | Path, workload: Workload, dtype: str | None = None, batch_size: int = 1,
+                       device: str | None = None) -> Result:
+    "transformers' `generate` on `workload` on `device` (None: where minivllm runs): one request at a time, or left-padded batches run to their longest output."
     import torch
     import transformers
+    from minivllm.distributed import default_device
+    device = torch.device(device or default_device())  # subtle: the same device as minivllm's engine, or the
+                                                       # comparison would set a GPU against a CPU
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     with torch.no_grad():
         start = time.perf_counter()
         kw = {"dtype": getattr(torch, dtype)} if dtype else {"dtype": "auto"}
-        hf = transformers.AutoModelForCausalLM.from_pretrained(model, **kw).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model, **kw).to(device).eval()
+        sync()
         ready = time.perf_counter()
         for i in range(0, len(workload.prompts), batch_size):
             prompts, outs = workload.prompts[i:i + batch_size], workload.output_lens[i:i + batch_size]
             width = max(map(len, prompts))
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
             out = hf.generate(ids, attention_mask=mask, max_new_tokens=max(outs), min_new_tokens=max(outs),
                               do_sample=False, pad_token_id=0, eos_token_id=None)
             assert out.shape[1] == width + max(outs)
+        sync()
         seconds = time.perf_counter() - ready
     name = "transformers" + (f" (batches of {batch_size})" if batch_size > 1 else " (one at a time)")
     return Result(name, 1, workload.output_tokens, seconds, ready - start)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import gc
 import itertools
+import logging
 import math
 import os
 import time
@@ -22,7 +23,7 @@ import torch
 from fastcore.basics import patch
 
 from ..config import Config, check_positive_int, is_int
-from ..distributed import ProcessGroupCommunicator
+from ..distributed import ProcessGroupCommunicator, default_device
 from ..shm_allreduce import make_communicator
 from .multinode import STALE_S, NodeLayout, node_label, prove_membership
 from .wire import ClusterKey
@@ -50,7 +51,7 @@ class EngineArgs:
     kvcache_block_size: int = 16  # tokens per KV-cache block
     enforce_eager: bool = False  # never capture CUDA graphs
     seed: int = 0  # draws of requests without a seed of their own
-    device: str | None = None  # "cuda" or "cpu"; None: CUDA when available
+    device: str | None = None  # "cuda" or "cpu"; None: CUDA when this machine has a GPU for each of its ranks
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the GPU's memory the engine may use in all
     kv_cache_memory: int | None = None  # CPU: bytes for the KV cache of all ranks together (None: a fraction)
     cpu_kv_cache_fraction: float = 0.1  # CPU: fraction of available memory for the KV cache when no bytes given
@@ -76,7 +77,12 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not 0 < self.cpu_kv_cache_fraction < 1:
             raise ValueError(f"cpu_kv_cache_fraction must be in (0, 1), got {self.cpu_kv_cache_fraction!r}")
-        self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device is None:
+            self.device = default_device(ranks_here)
+            if self.device == "cpu" and torch.cuda.is_available():
+                logging.getLogger("minivllm").warning(
+                    f"tensor_parallel_size={self.tensor_parallel_size} needs {ranks_here} GPUs on this machine, but "
+                    f"{torch.cuda.device_count()} are visible: its ranks run on the CPU (device='cuda' insists on GPUs)")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda":
