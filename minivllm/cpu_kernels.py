@@ -15,18 +15,35 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .distributed import _torch_version
+
 # %% auto #0
-__all__ = ['KERNEL_FLAGS', 'CPU_VECTOR_HELPERS', 'CPU_LAYER_KERNELS_SOURCE', 'CPU_KERNEL_DTYPES', 'BF16_PANEL',
+__all__ = ['KERNEL_FLAGS', 'KERNEL_TORCH', 'CPU_VECTOR_HELPERS', 'CPU_LAYER_KERNELS_SOURCE', 'CPU_KERNEL_DTYPES', 'BF16_PANEL',
            'BF16_GEMM_SOURCE', 'cpu_kernels_enabled', 'build_cpu_extension', 'layer_kernels', 'use_cpu_kernels',
-           'add_rms_norm', 'silu_and_mul', 'rotary_embedding', 'argmax_rows', 'bf16_gemm', 'pack_bf16_panels',
-           'avx512bf16_linear']
+           'check_cpu_tensors', 'add_rms_norm', 'silu_and_mul', 'rotary_embedding', 'argmax_rows', 'bf16_gemm',
+           'pack_bf16_panels', 'avx512bf16_linear']
 
 # %% ../nbs/04a_cpu_kernels.ipynb #b755915d
 KERNEL_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast"]
 
+KERNEL_TORCH = (2, 13)  # the oldest torch the kernels are tested with (CI's); with an older one, torch's operations serve
+
 def cpu_kernels_enabled() -> bool:
-    "Whether the C++ kernels may be used: they are, unless `MINIVLLM_CPU_KERNEL=0`."
-    return os.environ.get("MINIVLLM_CPU_KERNEL", "1") != "0"
+    "Whether the C++ kernels may be used: with a torch they are tested with, unless `MINIVLLM_CPU_KERNEL=0`; `=1` builds them with an older torch too."
+    flag = os.environ.get("MINIVLLM_CPU_KERNEL")
+    if flag == "0":
+        return False
+    # subtle: C++ built against a torch the kernels were never tested with is a risk no speed is worth (an error
+    # thrown inside one crashed a test run with torch 2.11 on a GPU machine); only an explicit =1 takes it
+    return flag == "1" or _torch_version() >= KERNEL_TORCH
+
+@functools.cache
+def _say_why_off() -> None:
+    "Say once why the kernels are off, when it is not the user's own MINIVLLM_CPU_KERNEL=0."
+    if os.environ.get("MINIVLLM_CPU_KERNEL") != "0":
+        logging.getLogger("minivllm").warning(
+            f"the C++ CPU kernels are tested with torch >= {'.'.join(map(str, KERNEL_TORCH))} and this is torch "
+            f"{torch.__version__}: torch's operations serve instead (MINIVLLM_CPU_KERNEL=1 builds the kernels anyway)")
 
 _BUILDING = threading.Lock()  # one build or load at a time: threads may ask for a library at once (notebook 11's streams)
 
@@ -39,6 +56,7 @@ def build_cpu_extension(name: str, source: str) -> bool:
 def _build_once(name: str, source: str) -> bool:
     "`build_cpu_extension`'s work, done once per library in a process."
     if not cpu_kernels_enabled():
+        _say_why_off()
         return False
     cpu = ""
     if os.path.exists("/proc/cpuinfo"):
@@ -353,6 +371,23 @@ def use_cpu_kernels(x: torch.Tensor) -> bool:
     "Whether an operation on `x` goes to the C++ kernels: float32 or bfloat16 on the CPU, with the kernels built (and not off)."
     return x.device.type == "cpu" and x.dtype in CPU_KERNEL_DTYPES and layer_kernels() is not None
 
+def check_cpu_tensors(op: str, dtypes: tuple = CPU_KERNEL_DTYPES, **tensors) -> None:
+    "`ValueError` naming `op` and the argument unless each tensor given (None: absent) is a dense CPU tensor of one of `dtypes`."
+    # subtle: checked here, before C++: the dispatcher's own message for a CUDA or meta tensor names neither the
+    # argument nor the fix, and no input should reach the C++ that it must refuse by throwing
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+        if t.device.type != "cpu" or t.layout is not torch.strided:
+            kind = "" if t.layout is torch.strided else f" ({str(t.layout)[6:]})"
+            raise ValueError(f"{op}: {name} is on {t.device}{kind}, but the C++ CPU kernels take dense CPU tensors: "
+                             "move it with .cpu(), or use torch's operations on that device")
+        if t.dtype not in dtypes:
+            raise ValueError(f"{op}: {name} is {str(t.dtype)[6:]}, but this kernel takes "
+                             f"{' or '.join(str(d)[6:] for d in dtypes)}")
+
 def _layer_ops():
     "`layer_kernels()`, or a clear error where the kernels are off or cannot be built (the layers then use torch)."
     ops = layer_kernels()
@@ -363,21 +398,29 @@ def _layer_ops():
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     "`norm(x)`, or `(norm(x + residual), x + residual)`, by the C++ kernel; `x` `[..., H]`."
+    check_cpu_tensors("add_rms_norm", x=x)
+    check_cpu_tensors("add_rms_norm", (x.dtype,), residual=residual, weight=weight)
     outs = _layer_ops().add_rms_norm(x, residual, weight, eps)
     return outs[0] if residual is None else (outs[0], outs[1])
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     "`silu(x[..., :d]) * x[..., d:]` by the C++ kernel."
+    check_cpu_tensors("silu_and_mul", x=x)
     return _layer_ops().silu_and_mul(x)
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
                      head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     "`q`, `k` (`[T, heads, head_dim]` or `[T, heads * head_dim]`) rotated by the cos|sin rows at `positions`."
+    check_cpu_tensors("rotary_embedding", q=q)
+    check_cpu_tensors("rotary_embedding", (q.dtype,), k=k)
+    check_cpu_tensors("rotary_embedding", (torch.int64,), positions=positions)
+    check_cpu_tensors("rotary_embedding", (torch.float32,), cos_sin_cache=cos_sin_cache)
     q_out, k_out = _layer_ops().rotary_embedding(positions, q, k, cos_sin_cache, head_dim)
     return q_out, k_out
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     "Each row's index of its first maximum (`x.max(dim=-1).indices`) of `x` `[rows, n]`, by the C++ kernel."
+    check_cpu_tensors("argmax_rows", x=x)
     return _layer_ops().argmax_rows(x)
 
 # %% ../nbs/04a_cpu_kernels.ipynb #055b4d89
@@ -514,4 +557,6 @@ def avx512bf16_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, 
     if ops is None:
         raise RuntimeError("this CPU has no AVX512_BF16 (or the C++ kernels are off or cannot be built): multiply "
                            "with oneDNN's product or F.linear")
+    check_cpu_tensors("avx512bf16_linear", (torch.bfloat16,), x=x, panels=panels)
+    check_cpu_tensors("avx512bf16_linear", (torch.float32, torch.bfloat16), bias=bias)
     return ops.linear(x.reshape(-1, x.shape[-1]), panels, out_features, bias).view(*x.shape[:-1], out_features)

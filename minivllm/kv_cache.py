@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_kernels import CPU_VECTOR_HELPERS, build_cpu_extension
+from .cpu_kernels import CPU_VECTOR_HELPERS, build_cpu_extension, check_cpu_tensors
 
 try:  # optional: the store kernel on CUDA (torch's CUDA wheels bring it along)
     import triton
@@ -464,17 +464,23 @@ def cpu_store_kernel():
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
     "Decode attention `[B, H, D]` by the C++ kernel, reading the paged cache in place (float32 or bfloat16, CPU)."
+    check_cpu_tensors("paged_decode_attention", q=q)
+    check_cpu_tensors("paged_decode_attention", (q.dtype,), k_cache=k_cache, v_cache=v_cache)
+    check_cpu_tensors("paged_decode_attention", (torch.int32,), block_tables=metadata.block_tables,
+                      context_lens=metadata.context_lens)
     return cpu_decode_kernel()(q, k_cache, v_cache, metadata.block_tables, metadata.context_lens, scale)
 
 # %% ../nbs/06_kv_cache.ipynb #e7cf03d2
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     "Write each token's key and value into its cache slot (`< 0`: skip): Triton on CUDA, C++ on the CPU, else torch."
-    kernel = None if key.is_cuda else cpu_store_kernel()
+    kernel = cpu_store_kernel() if key.device.type == "cpu" else None
     if kernel is None:  # the Triton and torch stores check their own arguments
         store = store_kvcache_triton if HAS_TRITON and key.is_cuda else store_kvcache_torch
         return store(key, value, k_cache, v_cache, slot_mapping)
     _check_store_args(key, value, k_cache, v_cache, slot_mapping)  # the same messages as the other stores
+    check_cpu_tensors("store_kvcache", (key.dtype,), value=value, k_cache=k_cache, v_cache=v_cache)
+    check_cpu_tensors("store_kvcache", (torch.int64,), slot_mapping=slot_mapping)
     kernel(key, value, k_cache, v_cache, slot_mapping)
 
 # %% ../nbs/06_kv_cache.ipynb #f6c65ba6
