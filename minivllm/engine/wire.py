@@ -13,12 +13,7 @@ import os
 import secrets
 from pathlib import Path
 
-import msgspec
 import torch
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 # %% auto #0
 __all__ = ['SECRET_ENV', 'MIN_SECRET_CHARS', 'Untrusted', 'new_secret', 'secret_from_env', 'ClusterKey', 'fields_to_wire',
@@ -50,6 +45,10 @@ class ClusterKey:
             raise ValueError(f"the cluster secret must be a string of at least {MIN_SECRET_CHARS} characters: set "
                              f"{SECRET_ENV} to the same long random string on every machine (for example "
                              "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+        # subtle: imported here, not with the module: one machine's engine (LLM's offline path) never needs them
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
         self._secret, self.scope = secret, scope
         material = HKDF(algorithm=hashes.SHA256(), length=64, salt=b"minivllm cluster key",
                         info=b"seal and sign").derive(secret.encode())
@@ -81,6 +80,7 @@ class ClusterKey:
 
     def open(self, blob: bytes, label: str, sender: str) -> bytes:
         "The data of a `seal`ed blob; `Untrusted` (naming `sender`) if it was not sealed with this key for `label`."
+        from cryptography.exceptions import InvalidTag
         try:
             return self._aead.decrypt(blob[:_NONCE_BYTES], blob[_NONCE_BYTES:], self._label(label))
         except (InvalidTag, ValueError):
@@ -121,7 +121,9 @@ def fields_from_wire(data: bytes, cls, sender: str):
 class CommandCodec:
     "Commands as MessagePack with a fixed schema per method. Example: `codec.decode(codec.encode('run', step), 'rank 0')` -> `('run', (step,))`."
     def __init__(self, schemas: dict[str, tuple[type, ...]]):
+        import msgspec  # subtle: here, not with the module, as the cryptography above
         self.schemas = dict(schemas)
+        self._error = msgspec.MsgspecError
         self._decoders = {m: msgspec.msgpack.Decoder(tuple[tuple(types)] if types else tuple[()])
                           for m, types in self.schemas.items()}
         self._encoder = msgspec.msgpack.Encoder()
@@ -140,5 +142,5 @@ class CommandCodec:
             raise Untrusted(f"a command from {sender} names no method this rank serves: {method[:40]!r}")
         try:
             return method, self._decoders[method].decode(body)
-        except msgspec.MsgspecError as e:
+        except self._error as e:
             raise Untrusted(f"the {method!r} command from {sender} does not match its schema: {e}") from None
