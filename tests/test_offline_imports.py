@@ -1,0 +1,37 @@
+"""The offline engine needs only torch, transformers, safetensors and the small helpers: `LLM` at TP=1 and TP=2 runs
+in processes where serving's and the cluster's packages cannot be imported at all (a GPU machine without them)."""
+import os
+import subprocess
+import sys
+import textwrap
+
+SERVING_AND_CLUSTER = ("fastapi", "starlette", "uvicorn", "zmq", "msgspec", "cryptography", "prometheus_client",
+                       "pydantic", "uvloop", "httptools")
+
+BLOCKER = textwrap.dedent(f'''
+    import importlib.abc, sys
+    class Absent(importlib.abc.MetaPathFinder):
+        "As if these packages were not installed: importing one fails."
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in {SERVING_AND_CLUSTER!r}:
+                raise ModuleNotFoundError(f"No module named {{name!r}} (blocked by the test)")
+    sys.meta_path.insert(0, Absent())
+''')
+
+
+def test_llm_runs_at_tp_2_without_serving_or_cluster_packages(tmp_path):
+    "TP=2: rank 0 (what TP=1 runs) and a spawned rank, each with the packages blocked."
+    (tmp_path / "sitecustomize.py").write_text(BLOCKER)  # every process of the engine, spawned ranks too, loads it
+    script = textwrap.dedent('''
+        from minivllm import LLM, SamplingParams
+        with LLM(tensor_parallel_size=2) as llm:
+            out = llm.generate("ROMEO.", SamplingParams(temperature=0, max_tokens=8))
+        assert len(out[0].token_ids) == 8
+        try:
+            import msgspec  # noqa: F401
+        except ModuleNotFoundError:
+            print("OK")
+    ''')
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stderr[-3000:]
