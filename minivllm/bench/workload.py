@@ -24,6 +24,7 @@ class Workload:
     "Seeded random requests: prompts of random token ids, and the number of tokens each must generate."
     prompts: list[list[int]]
     output_lens: list[int]
+    temperature: float = 0.0  # 0: greedy
 
     @classmethod
     def make(cls, vocab_size: int, num_prompts: int = 64, input_len: tuple[int, int] = (16, 256),
@@ -38,18 +39,28 @@ class Workload:
             outs.append(between(*output_len))
         return cls(prompts, outs)
 
+    @classmethod
+    def nano_vllm(cls, num_prompts: int = 256, max_input_len: int = 1024, max_output_len: int = 1024,
+                  seed: int = 0) -> Workload:
+        "nano-vllm's benchmark workload, draw for draw: Python's `random` seeded, ids in [0, 10000], lengths in [100, max], temperature 0.6."
+        import random
+        rng = random.Random(seed)
+        prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_input_len))] for _ in range(num_prompts)]
+        return cls(prompts, [rng.randint(100, max_output_len) for _ in range(num_prompts)], temperature=0.6)
+
     @property
     def output_tokens(self) -> int: return sum(self.output_lens)
 
     def salted(self, salt: int, vocab_size: int) -> Workload:
         "The same lengths, each prompt's first token moved by `salt`: a server's prefix cache holds none of it yet."
         # subtle: the cache hashes each block with all the blocks before it, so a new first token makes every block new
-        return Workload([[(p[0] + salt) % vocab_size, *p[1:]] for p in self.prompts], list(self.output_lens))
+        return Workload([[(p[0] + salt) % vocab_size, *p[1:]] for p in self.prompts], list(self.output_lens),
+                        self.temperature)
 
     def sampling_params(self) -> list[SamplingParams]:
-        "Greedy, exactly `output_len` tokens per request."
+        "At the workload's temperature (greedy unless said), exactly `output_len` tokens per request."
         from minivllm.engine.scheduler import SamplingParams
-        return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in self.output_lens]
+        return [SamplingParams(temperature=self.temperature, max_tokens=n, ignore_eos=True) for n in self.output_lens]
 
 # %% ../../nbs/13d_bench_workload.ipynb #fce7c450
 def device_name() -> str:
