@@ -37,3 +37,13 @@ def test_without_a_gpu_the_check_says_so_and_how_to_dry_run():
     run = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py")], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 2 and "--dry-run" in run.stderr
+
+
+def test_offline_wheels_fetches_every_requirement_but_torch():
+    import configparser
+    listed = subprocess.run(["bash", str(ROOT / "tools" / "offline_wheels.sh"), "--list"], capture_output=True,
+                            text=True, timeout=60, check=True).stdout.split()
+    c = configparser.ConfigParser()
+    c.read(ROOT / "settings.ini")
+    required = c["DEFAULT"]["requirements"].split()
+    assert listed == [r for r in required if not r.startswith("torch")] and len(listed) == len(required) - 1
