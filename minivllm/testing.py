@@ -38,8 +38,8 @@ __all__ = ['CHAT_TEMPLATE', 'ATTENTION_TOL', 'FAKE_VOCAB', 'BAD_REQUEST_VALUES',
            'scattered_block_tables', 'tiny_store_inputs', 'PagedCase', 'check_prefill_then_decode', 'check_invariants',
            'next_token', 'FakeRunner', 'reference_tokens', 'check_batch', 'step_states', 'run_scheduler',
            'InterruptedAfterOneStep', 'Recorder', 'records', 'CommandRecorder', 'serve_commands', 'gone', 'wait_until',
-           'rank_processes', 'shm_segments', 'leftover_segments', 'server_metrics', 'rss_mib', 'WorkerNode',
-           'tcp_listeners']
+           'rank_processes', 'shm_segments', 'leftover_segments', 'server_metrics', 'engine_idle_after', 'rss_mib',
+           'WorkerNode', 'tcp_listeners']
 
 # %% ../nbs/18_testing.ipynb #9570d09d
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -495,6 +495,24 @@ def server_metrics(url: str) -> dict[str, float]:
     import httpx
     text = httpx.get(url + "/metrics", timeout=60).text
     return {l.split()[0]: float(l.split()[1]) for l in text.splitlines() if l and not l.startswith("#") and "{" not in l}
+
+def engine_idle_after(url: str, since: float, timeout_s: float = 30.0, quiet_s: float = 0.25) -> float | None:
+    "Seconds from `since` (`time.monotonic()`) until the server's engine holds no request and computes nothing more; None past `timeout_s`."
+    # subtle: one idle reading is not enough: a batch whose prompts all end at one step is idle for that instant,
+    # before its next prompts arrive; idle means idle and no new token for `quiet_s`
+    idle = lambda m: (m["minivllm_num_requests_running"] == 0 and m["minivllm_num_requests_waiting"] == 0
+                      and m["minivllm_kv_cache_blocks_used"] == 0)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        first, at = server_metrics(url), time.monotonic()
+        if idle(first):
+            time.sleep(quiet_s)
+            later = server_metrics(url)
+            if idle(later) and later["minivllm_generation_tokens_total"] == first["minivllm_generation_tokens_total"]:
+                return at - since
+        else:
+            time.sleep(0.02)
+    return None
 
 def rss_mib(pid: int) -> float:
     "The resident memory of process `pid`, in MiB (Linux)."

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from minivllm.distributed import process_state
-from minivllm.testing import BAD_REQUEST_VALUES, ServerProcess, rank_processes, rss_mib, wait_until
+from minivllm.testing import BAD_REQUEST_VALUES, ServerProcess, engine_idle_after, rank_processes, rss_mib, wait_until
 from minivllm.testing import server_metrics as metrics
 
 
@@ -95,15 +95,13 @@ def huge_request(url: str, model: str, seconds: float, num_prompts: int = 100_00
             tokens = metrics(url)["minivllm_generation_tokens_total"]
             task.cancel()
             await big_client.aclose()
-            left = time.monotonic()
-            await asyncio.to_thread(wait_until, lambda: (m := metrics(url))["minivllm_num_requests_running"] == 0
-                                    and m["minivllm_num_requests_waiting"] == 0 and m["minivllm_kv_cache_blocks_used"] == 0, 60)
-            return sorted(latencies), time.monotonic() - left, tokens
+            return sorted(latencies), await asyncio.to_thread(engine_idle_after, url, time.monotonic(), 60), tokens
 
     latencies, freed_s, tokens = asyncio.run(run())
     pick = lambda q: round(latencies[min(len(latencies) - 1, int(len(latencies) * q))], 3)
     return dict(prompts=num_prompts, normal_requests=len(latencies), p50_s=pick(0.5), p99_s=pick(0.99),
-                max_s=round(latencies[-1], 3), batch_tokens_meanwhile=int(tokens), freed_after_leaving_s=round(freed_s, 3))
+                max_s=round(latencies[-1], 3), batch_tokens_meanwhile=int(tokens),
+                freed_after_leaving_s=None if freed_s is None else round(freed_s, 3))
 
 
 def stopped_core(url: str, pid: int) -> dict:
