@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from .config import Config
-from .kv_cache import Attention, AttentionMetadata
+from .attention import Attention
+from .kv_cache import AttentionMetadata
 from .distributed import Communicator
 from .layers.common import RMSNorm, SiluAndMul, get_rope
 from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding

@@ -24,7 +24,8 @@ from .engine.block_manager import BlockManager
 from .engine.ipc import worker_loop
 from .engine.multinode import GlooCommandChannel, GlooCommandReceiver
 from .engine.scheduler import SamplingParams, ScheduledBatch, Scheduler, SequenceStatus
-from .kv_cache import Attention, allocate_kv_cache, decode_metadata, prefill_metadata, slot_mapping, store_kvcache
+from .attention import Attention, store_kvcache
+from .kv_cache import allocate_kv_cache, decode_metadata, prefill_metadata, slot_mapping
 from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from .llm import DEFAULT_MODEL, LLM
 from .models import CausalLM
@@ -209,7 +210,8 @@ def tiny_store_inputs(dtype: torch.dtype, T: int = 5, heads: int = 2, head_dim: 
     return key, value, k_cache, v_cache, torch.tensor(slots, dtype=torch.int64)
 
 # %% ../nbs/18_testing.ipynb #ba1aa90c
-ATTENTION_TOL = {torch.float32: dict(rtol=1.3e-6, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+ATTENTION_TOL = {torch.float32: dict(rtol=1.3e-6, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=1e-3),
+                 torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
 
 class PagedCase:
     "Random sequences in scattered blocks of a fresh one-layer cache, with their dense causal attention."

@@ -12,8 +12,9 @@ import transformers
 from minivllm import LLM, SamplingParams
 from minivllm.config import Config
 from minivllm.distributed import Communicator
-from minivllm.kv_cache import (attention_backend, attention_reference, attention_sdpa, cpu_decode_kernel,
-                               decode_attention, decode_metadata, paged_decode_attention_cpu)
+from minivllm.attention import (attention_backend, attention_reference, attention_sdpa, cpu_decode_kernel,
+                                decode_attention, paged_decode_attention_cpu)
+from minivllm.kv_cache import decode_metadata
 from minivllm.layers import linear
 from minivllm.layers.linear import RowParallelLinear, gemm_kernels
 from minivllm.models import build_model, load_checkpoint

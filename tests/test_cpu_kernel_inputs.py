@@ -12,7 +12,7 @@ from minivllm.cpu_kernels import layer_kernels
 SCRIPT = r'''
 import json, torch
 import torch.nn.functional as F
-from minivllm import cpu_kernels as ck, kv_cache as kv
+from minivllm import attention as kv, cpu_kernels as ck
 from minivllm.kv_cache import decode_metadata
 
 g = torch.Generator().manual_seed(0)

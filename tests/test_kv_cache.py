@@ -15,10 +15,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+import minivllm.attention as attention
 import minivllm.kv_cache as kv
-from minivllm.kv_cache import (DECODE_GROUP_SIZE, Attention, AttentionMetadata, HAS_TRITON, allocate_kv_cache,
-                               attention_backend, cpu_decode_kernel, causal_mask, decode_metadata, gather_kv, kv_cache_bytes_per_block, prefill_metadata,
-                               slot_mapping, store_kvcache, store_kvcache_torch, store_kvcache_triton)
+from minivllm.attention import (Attention, attention_backend, causal_mask, cpu_decode_kernel, gather_kv,
+                                store_kvcache)
+from minivllm.kv_cache import (DECODE_GROUP_SIZE, AttentionMetadata, HAS_TRITON, allocate_kv_cache, decode_metadata,
+                               kv_cache_bytes_per_block, prefill_metadata, slot_mapping, store_kvcache_torch,
+                               store_kvcache_triton)
 from minivllm.testing import (ATTENTION_TOL as TOL, PagedCase, cat_rows, check_prefill_then_decode,
                               tiny_store_inputs)
 
@@ -114,7 +117,7 @@ def test_store_cpu_kernel_matches_torch(dtype):
         ref = torch.zeros(2, num_blocks, block_size, heads, head_dim, dtype=dtype)
         got = torch.zeros_like(ref)
         store_kvcache_torch(k, v, ref[0], ref[1], slots)
-        kv.cpu_store_kernel()(k, v, got[0], got[1], slots)
+        attention.cpu_store_kernel()(k, v, got[0], got[1], slots)
         torch.testing.assert_close(got, ref, **EXACT)
         store_kvcache(k, v, got[0], got[1], slots)  # the dispatcher takes it on the CPU
         torch.testing.assert_close(got, ref, **EXACT)
@@ -124,7 +127,7 @@ def test_store_cpu_kernel_matches_torch(dtype):
 def test_store_cpu_kernel_rejects_what_it_cannot_write():
     "A slot past the cache, a dtype that is not the cache's: errors that name the problem, and nothing written."
     key, value, k_cache, v_cache, slots = tiny_store_inputs(torch.float32, seed=0)
-    store = kv.cpu_store_kernel()
+    store = attention.cpu_store_kernel()
     with pytest.raises(RuntimeError, match="slot 12 is not in the cache's 12 slots"):
         store(key, value, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 12]))
     assert not k_cache.any() and not v_cache.any()  # checked before the first write
@@ -381,7 +384,7 @@ def test_attention_rejects_what_it_cannot_do():
         Attention(6, 8, 0.3, 4)
     with pytest.raises(ValueError, match="unknown attention backend"):
         Attention(4, 8, 0.3, 2, backend="xformers")
-    if not kv.HAS_FLASH_ATTN:
+    if not attention.HAS_FLASH_ATTN:
         with pytest.raises(ValueError, match="needs flash-attn"):
             Attention(4, 8, 0.3, 2, backend="flash")
     q, k = torch.randn(2, 4, 8), torch.randn(2, 2, 8)
@@ -404,7 +407,7 @@ def test_backend_on_cpu_is_the_kernel_for_float32_and_bfloat16_decode_else_sdpa(
                                          ({"MINIVLLM_CACHE": "/dev/null/cannot-be-a-folder"}, "None\n")])
 def test_cpu_kernel_can_be_switched_off_and_a_failed_build_falls_back(env, expect):
     "Switched off, or unbuildable (here: a cache folder that cannot exist), the kernel is None and SDPA decodes."
-    code = ("from minivllm.kv_cache import cpu_decode_kernel as k, attention_backend as b, decode_metadata as d; import torch;"
+    code = ("from minivllm.attention import cpu_decode_kernel as k, attention_backend as b; from minivllm.kv_cache import decode_metadata as d; import torch;"
             "print(k()); assert b(torch.randn(1, 4, 8), torch.zeros(2, 4, 2, 8), d([[0]], [1], 4)) == 'sdpa'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ | env, timeout=120)
     assert done.returncode == 0 and done.stdout == expect, done.stderr

@@ -28,7 +28,8 @@ from ..shm_allreduce import make_communicator
 from .multinode import STALE_S, NodeLayout, node_label, prove_membership
 from .wire import ClusterKey
 from .scheduler import ScheduledBatch, Scheduler, context_lengths, token_positions
-from ..kv_cache import allocate_kv_cache, cpu_decode_kernel, decode_metadata, kv_cache_bytes_per_block, prefill_metadata
+from ..attention import attention_backend_name, cpu_decode_kernel, set_attention_backend
+from ..kv_cache import DECODE_GROUP_SIZE, allocate_kv_cache, decode_metadata, kv_cache_bytes_per_block, prefill_metadata
 from ..layers.common import GREEDY_TEMPERATURE, Sampler, apply_penalties, mask_tokens, token_logprobs
 from ..models import build_model, load_checkpoint
 
@@ -61,6 +62,9 @@ class EngineArgs:
     nnodes: int = 1  # machines the ranks are spread over, tensor_parallel_size / nnodes each (notebook 10a)
     master_addr: str = "127.0.0.1"  # where rank 0 serves the rendezvous; with nnodes > 1, its address the others reach
     master_port: int = 0  # the rendezvous' port (0: a free one)
+    # one attention backend for every layer (notebook 06a: ours or vLLM's name); None: MINIVLLM_ATTENTION_BACKEND
+    # if set, else the fastest that can run each call
+    attention_backend: str | None = None
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
@@ -77,6 +81,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not 0 < self.cpu_kv_cache_fraction < 1:
             raise ValueError(f"cpu_kv_cache_fraction must be in (0, 1), got {self.cpu_kv_cache_fraction!r}")
+        self.attention_backend = attention_backend_name(self.attention_backend
+                                                        or os.environ.get("MINIVLLM_ATTENTION_BACKEND") or None)
         if self.device is None:
             self.device = default_device(ranks_here)
             if self.device == "cpu" and torch.cuda.is_available():
@@ -151,7 +157,9 @@ class StepInputs:
         "The attention metadata of this step."
         if self.is_prefill:
             return prefill_metadata(self.block_tables, self.num_computed_tokens, self.num_new_tokens, block_size, device)
-        return decode_metadata(self.block_tables, self.context_lens, block_size, device)
+        # subtle: groups of similar length help the CPU's gathers; a GPU's kernels read the whole batch in place
+        group_size = DECODE_GROUP_SIZE if torch.device(device).type == "cpu" else None
+        return decode_metadata(self.block_tables, self.context_lens, block_size, device, group_size)
 
 # %% ../../nbs/11_model_runner.ipynb #3213dbed
 @dataclass
@@ -408,6 +416,7 @@ def _build(self: ModelRunner) -> None:
     args, rank = self.args, self.rank
     self.max_model_len = args.resolved(self.config).max_model_len  # subtle: the one default, in `resolved`
     self.model = build_model(self.config, self.device, self.comm)
+    set_attention_backend(self.model, args.attention_backend, self.device)  # checked here: it must run on this device
     load_checkpoint(self.model, args.model)
     self.model.eval()
     if self.device.type == "cpu":

@@ -1,0 +1,156 @@
+"""The Triton paged-attention kernel (notebook 06b) against the reference: variable-length prefill, a cached prefix,
+decode, a mixed batch, flash-decoding; then the whole engine through it. Without a GPU it runs in Triton's
+interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before minivllm is imported)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from minivllm import LLM, SamplingParams
+from minivllm.attention import Attention, attention_backend_name, paged_attention_torch
+from minivllm.kv_cache import HAS_TRITON, TRITON_RUNS_ON_CPU, decode_metadata, prefill_metadata
+from minivllm.testing import ATTENTION_TOL, PagedCase, check_prefill_then_decode, hf_greedy, make_tiny_checkpoint
+
+transformers.logging.set_verbosity_error()
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+pytestmark = pytest.mark.skipif(not (HAS_TRITON and (ON_GPU or TRITON_RUNS_ON_CPU)),
+                                reason="needs triton (>= 3.2 to run on the CPU, in its interpreter)")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+HEADS = [(4, 2), (2, 2)]  # (query heads, KV heads): grouped-query and multi-head
+
+
+def kernel():
+    from minivllm.triton_attention import paged_attention_triton
+    return paged_attention_triton
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("block_size", (16, 32))
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_prefill_over_cached_prefix_then_decode_equals_dense(dtype, heads, block_size, head_dim):
+    "Cached prefixes (none, a part of a block, several blocks), a variable-length prefill, a decode: == dense attention."
+    case = PagedCase([40, 7, 21, 3], block_size, *heads, dtype, device=DEVICE, head_dim=head_dim, seed=1)
+    check_prefill_then_decode(case, [33, 0, 16, 1], backend="triton")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_without_cache_reads_the_new_keys(dtype):
+    "No cached prefix anywhere (block tables None): the keys are read from the new k and v, sequence by sequence."
+    case = PagedCase([9, 1, 30, 17], 16, 8, 2, dtype, device=DEVICE, head_dim=64, seed=2)
+    md = prefill_metadata(case.tables, [0] * 4, case.lengths, 16, DEVICE)
+    assert md.block_tables is None
+    out = case.run(lambda *a: kernel()(*a, case.scale), None, None, md)
+    torch.testing.assert_close(out.float(), torch.cat(case.expected).view_as(out).float(), **ATTENTION_TOL[dtype])
+    warmup = Attention(8, 64, case.scale, 2, backend="triton")  # as the engine's warm-up: no cache at all
+    torch.testing.assert_close(case.run(lambda q, k, v, kc, vc, m: warmup(q, k, v, None, None, m), None, None, md),
+                               out.flatten(1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_batch_of_prefills_and_decodes_in_one_launch(dtype):
+    "A prefill, a prefill over a cached prefix and two one-token decodes in one metadata: == the reference backend."
+    case = PagedCase([7, 50, 2, 33], 16, 4, 2, dtype, device=DEVICE, head_dim=64, seed=3)
+    case.store_prefix(case.lengths)
+    cached = [0, 30, 1, 32]
+    md = prefill_metadata(case.tables, cached, [n - c for n, c in zip(case.lengths, cached)], 16, DEVICE)
+    got = case.run(lambda *a: kernel()(*a, case.scale), cached, None, md)
+    want = case.run(lambda *a: paged_attention_torch(*a, case.scale), cached, None, md)
+    torch.testing.assert_close(got.float(), want.float(), **ATTENTION_TOL[dtype])
+
+
+@pytest.mark.parametrize("splits", (2, 4, 16))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_kv_decode_equals_the_plain_kernel(splits, dtype):
+    "Flash-decoding's shares, merged, give the one-program result (empty shares included)."
+    case = PagedCase([3, 100, 64, 17], 16, 8, 2, dtype, device=DEVICE, head_dim=64, seed=4)
+    case.store_prefix(case.lengths)
+    md = decode_metadata(case.tables, case.lengths, 16, DEVICE, group_size=None)
+    last = [n - 1 for n in case.lengths]
+    plain = case.run(lambda *a: kernel()(*a, case.scale, num_splits=1), last, None, md)
+    split = case.run(lambda *a: kernel()(*a, case.scale, num_splits=splits), last, None, md)
+    torch.testing.assert_close(split.float(), plain.float(), **ATTENTION_TOL[dtype])
+    torch.testing.assert_close(split.float().flatten(1), torch.stack([e[-1] for e in case.expected]).float(),
+                               **ATTENTION_TOL[dtype])
+
+
+def test_padding_rows_of_a_graph_bucket_read_nothing_out_of_bounds():
+    "A CUDA-graph bucket pads with rows of context 1 and block table -1: they read block 0, the real rows are right."
+    case = PagedCase([5, 20], 16, 4, 2, torch.float32, device=DEVICE, head_dim=64, seed=5)
+    case.store_prefix(case.lengths)
+    md = decode_metadata(case.tables, case.lengths, 16, DEVICE, group_size=None)
+    q = torch.cat([torch.stack([s[0][-1] for s in case.seqs]), torch.randn(2, 4, 64, device=DEVICE)])
+    md.block_tables = torch.cat([md.block_tables, torch.full((2, md.block_tables.shape[1]), -1, dtype=torch.int32,
+                                                             device=DEVICE)])
+    md.context_lens = torch.cat([md.context_lens, torch.ones(2, dtype=torch.int32, device=DEVICE)])
+    out = kernel()(q, None, None, case.k_cache, case.v_cache, md, case.scale)
+    torch.testing.assert_close(out[:2].flatten(1), torch.stack([e[-1] for e in case.expected]), **ATTENTION_TOL[torch.float32])
+    assert out[2:].isfinite().all()
+
+
+def test_kernel_refuses_what_it_cannot_read():
+    q = torch.randn(3, 4, 64, device=DEVICE)
+    md = prefill_metadata([[0]], [0], [3], 16, DEVICE)
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        kernel()(q.double(), q.double()[:, :2], q.double()[:, :2], None, None, md, 0.1)
+    with pytest.raises(ValueError, match="head sizes equal and at most 256"):
+        kernel()(q, q[:, :3, :32], q[:, :3, :32], None, None, md, 0.1)
+    with pytest.raises(ValueError, match="last dimension is contiguous"):
+        kernel()(q.transpose(0, 2).contiguous().transpose(0, 2), q[:, :2], q[:, :2], None, None, md, 0.1)
+    with pytest.raises(ValueError, match="no cache was given"):
+        kernel()(q, q[:, :2], q[:, :2], None, None, decode_metadata([[0]] * 3, [1] * 3, 16, DEVICE), 0.1)
+
+
+def test_backend_names_ours_and_vllms():
+    assert [attention_backend_name(n) for n in ("TRITON_ATTN", "triton", "FLASH_ATTN", "TORCH_SDPA", None)] == \
+        ["triton", "triton", "flash", "sdpa", None]
+    with pytest.raises(ValueError, match="unknown attention backend 'paged'"):
+        attention_backend_name("paged")
+
+
+@pytest.mark.skipif(ON_GPU, reason="on the CPU only: the interpreter is off in the child")
+def test_triton_on_the_cpu_without_the_interpreter_is_a_clear_error(tmp_path):
+    "Forcing the kernel on the CPU without TRITON_INTERPRET=1 fails at start with the fix, not deep inside triton."
+    path = make_tiny_checkpoint(tmp_path / "m")
+    code = f"from minivllm import LLM; LLM({str(path)!r}, attention_backend='triton')"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode != 0 and "set TRITON_INTERPRET=1" in done.stderr, done.stderr[-2000:]
+
+
+TINY = {  # a GQA Qwen3, and a tied multi-head Llama of head size 24 (not a power of two: the kernel pads to 32)
+    "qwen3": dict(model_type="qwen3"),
+    "llama": dict(model_type="llama", tie_word_embeddings=True, hidden_size=96, num_attention_heads=4,
+                  num_key_value_heads=4, head_dim=24, vocab_size=300),
+}
+PROMPTS = [[1, 5, 9, 2, 44, 17, 3], list(range(3, 40)), [7], [200, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23,
+                                                                 24, 25, 26, 27]]
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_engine_through_the_kernel_equals_transformers(tmp_path, name):
+    "The whole engine with every layer on the Triton kernel (float32, blocks of 16, a shared prefix): transformers' tokens."
+    path = make_tiny_checkpoint(tmp_path / name, **TINY[name])
+    prompts = PROMPTS + [PROMPTS[1][:33] + [5, 6]]  # shares two blocks of the second prompt: a cached prefix
+    with LLM(str(path), attention_backend="TRITON_ATTN", max_num_seqs=4, device=DEVICE) as llm:
+        assert {m.backend for m in llm.runner.model.modules() if isinstance(m, Attention)} == {"triton"}
+        outs = llm.generate(prompts,
+                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 8)
+
+
+def test_engine_at_tp2_takes_the_backend_from_the_environment(tmp_path, monkeypatch):
+    "MINIVLLM_ATTENTION_BACKEND reaches every rank: TP=2 through the kernel equals transformers."
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "TRITON_ATTN")
+    path = make_tiny_checkpoint(tmp_path / "m")
+    with LLM(str(path), tensor_parallel_size=2, max_num_seqs=4, device="cpu") as llm:
+        assert llm.args.attention_backend == "triton"
+        outs = llm.generate(PROMPTS,
+                            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS, 6)
