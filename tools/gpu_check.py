@@ -1,15 +1,17 @@
 """What anyone with one GPU runs first: is minivllm correct there, and how fast is it against what the card can do.
 
-    python tools/gpu_check.py [--out gpu_check.json] [--num-prompts 256] [--skip-tests]
+    python tools/gpu_check.py [--out gpu_check.json] [--num-prompts 256] [--skip-tests] [--attention-backend NAME]
     python tools/gpu_check.py --dry-run    # the same steps on the CPU with tiny models (what CI runs)
 
 Prints one table and writes a JSON: the card, driver, torch, triton, transformers and flash-attn; the card's measured
 copy bandwidth; the `cuda` tests; greedy tokens against transformers on the same device (tiny Qwen3 and Llama,
-float32 and bfloat16, CUDA graphs and eager); nano-vllm's benchmark workload (a Qwen3-0.6B-shaped random model in
+float32 and bfloat16, CUDA graphs and eager; where a prompt's tokens part, transformers' own logit gap between its
+token and ours at the first difference: a near tie that kernels' different sums may break either way); nano-vllm's benchmark workload (a Qwen3-0.6B-shaped random model in
 bfloat16, 256 requests, prompt and output lengths uniform in 100..1024 drawn as its bench.py draws them, temperature
 0.6, ignore_eos, max_model_len 4096) with graphs and eager; transformers' batched `generate` on a 64-request slice;
 decode tokens/s at batch 1, 16, 64 and 256 beside the bandwidth ceiling (weights and KV read per step over the
-measured copy bandwidth). About five minutes on an H100 or H200 once attention is fast.
+measured copy bandwidth). About five minutes on an H100 or H200 once attention is fast. `--attention-backend sdpa`
+(or any backend of notebook 06a) runs every engine of the check on that backend: the table before and after a kernel.
 """
 from __future__ import annotations
 
@@ -101,7 +103,18 @@ def hf_greedy_on(path: Path, prompts: list[list[int]], new_tokens: int, dtype: t
                             pad_token_id=0)[0, len(p):].tolist() for p in prompts]
 
 
-def greedy_equivalence(folder: Path, device: torch.device, new_tokens: int) -> list[dict]:
+def logit_gap(path: Path, prompt: list[int], ours: list[int], theirs: list[int], dtype: torch.dtype,
+              device: torch.device) -> dict:
+    "Where two greedy continuations first part: transformers' logit of its token minus its logit of ours, and both's scale."
+    import transformers
+    step = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + theirs[:step]], device=device)).logits[0, -1].float()
+    return dict(step=step, gap=float(logits[theirs[step]] - logits[ours[step]]), max_logit=float(logits.abs().max()))
+
+
+def greedy_equivalence(folder: Path, device: torch.device, new_tokens: int, backend: str | None = None) -> list[dict]:
     "For each tiny model, dtype and (on a GPU) graph setting: how many of the prompts' greedy tokens equal transformers'."
     from minivllm import LLM, SamplingParams
     g = torch.Generator().manual_seed(0)
@@ -114,18 +127,26 @@ def greedy_equivalence(folder: Path, device: torch.device, new_tokens: int) -> l
         for dtype in ("float32", "bfloat16"):
             reference = hf_greedy_on(path, prompts, new_tokens, getattr(torch, dtype), device)
             for eager in ((True, False) if device.type == "cuda" else (True,)):
-                with LLM(path, dtype=dtype, device=device.type, enforce_eager=eager, max_model_len=256) as llm:
+                with LLM(path, dtype=dtype, device=device.type, enforce_eager=eager, max_model_len=256,
+                         attention_backend=backend) as llm:
                     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
                                         use_tqdm=False)
                 same = sum(o.token_ids == r for o, r in zip(outs, reference))
-                rows.append(dict(model=name, dtype=dtype, graphs=not eager, equal=same, prompts=len(prompts)))
+                # subtle: a part where transformers' own two logits lie within float rounding of each other is a tie
+                # that any other order of the same sums may break the other way; a wide gap would be a bug
+                parts = [logit_gap(path, p, o.token_ids, r, getattr(torch, dtype), device)
+                         for p, o, r in zip(prompts, outs, reference) if o.token_ids != r]
+                rows.append(dict(model=name, dtype=dtype, graphs=not eager, equal=same, prompts=len(prompts),
+                                 parts=parts))
     return rows
 
 
-def run_workload(path: Path, workload: Workload, device: torch.device, eager: bool, max_model_len: int) -> dict:
+def run_workload(path: Path, workload: Workload, device: torch.device, eager: bool, max_model_len: int,
+                 backend: str | None = None) -> dict:
     "minivllm's output tokens/s on `workload` (one generate call), after a warm-up."
     from minivllm import LLM, SamplingParams
-    with LLM(path, dtype="bfloat16", device=device.type, enforce_eager=eager, max_model_len=max_model_len) as llm:
+    with LLM(path, dtype="bfloat16", device=device.type, enforce_eager=eager, max_model_len=max_model_len,
+             attention_backend=backend) as llm:
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         sync(device)
         start = time.perf_counter()
@@ -155,7 +176,7 @@ def model_bytes(path: Path) -> int:
 
 
 def decode_rates(path: Path, device: torch.device, batches: list[int], context: int, steps: int,
-                 bandwidth_gbs: float) -> list[dict]:
+                 bandwidth_gbs: float, backend: str | None = None) -> list[dict]:
     "Decode tokens/s at each batch size (prompts of `context` tokens, `steps` new tokens each), beside the ceiling."
     from minivllm import LLM, SamplingParams
     config = json.loads((path / "config.json").read_text())
@@ -164,7 +185,7 @@ def decode_rates(path: Path, device: torch.device, batches: list[int], context: 
     weights = model_bytes(path)
     rows = []
     with LLM(path, dtype="bfloat16", device=device.type, max_model_len=context + steps + 8,
-             max_num_seqs=max(batches)) as llm:
+             max_num_seqs=max(batches), attention_backend=backend) as llm:
         for b in batches:
             prompts = [[(7 * i + j) % 1000 + 1 for j in range(context)] for i in range(b)]
             params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
@@ -196,9 +217,11 @@ def table(results: dict) -> str:
     t = results["cuda_tests"]
     add("cuda tests", t.get("skipped") or f"{t.get('passed', 0)} passed, {t.get('failed', 0)} failed",
         t.get("tail", ""))
+    add("attention backend", results["attention_backend"] or "automatic")
     for r in results["greedy_equivalence"]:
+        gaps = ", ".join(f"step {p['step']}: gap {p['gap']:.2g} of logits up to {p['max_logit']:.2g}" for p in r["parts"])
         add(f"greedy vs transformers: {r['model']} {r['dtype']}, {'graphs' if r['graphs'] else 'eager'}",
-            f"{r['equal']}/{r['prompts']}")
+            f"{r['equal']}/{r['prompts']}", f"where they part, transformers' own logit gap: {gaps}" if gaps else "")
     for r in results["workload"]:
         add(f"workload ({r['requests']} requests), {'graphs' if r['graphs'] else 'eager'}",
             f"{r['tokens_per_s']:,.0f} tok/s", f"{r['output_tokens']:,} tokens in {r['seconds']} s")
@@ -219,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="gpu_check.json", help="where the JSON goes (default: %(default)s)")
     ap.add_argument("--num-prompts", type=int, default=256, help="requests of the workload (default: %(default)s)")
     ap.add_argument("--skip-tests", action="store_true", help="leave out the cuda tests")
+    ap.add_argument("--attention-backend", default=None, metavar="NAME",
+                    help="run every engine on this attention backend (triton, sdpa, flash, ...; default: automatic)")
     a = ap.parse_args(argv)
     if not a.dry_run and not torch.cuda.is_available():
         print("gpu_check: torch sees no CUDA GPU here (run with --dry-run to try the steps on the CPU)", file=sys.stderr)
@@ -227,11 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        results = {"environment": environment(device, 64 if a.dry_run else 1024)}
+        results = {"environment": environment(device, 64 if a.dry_run else 1024), "attention_backend": a.attention_backend}
         log(f"on {results['environment']['device']}")
         results["cuda_tests"] = cuda_tests(a.dry_run) if not a.skip_tests else dict(skipped="--skip-tests")
         log("greedy against transformers")
-        results["greedy_equivalence"] = greedy_equivalence(tmp, device, 8 if a.dry_run else 32)
+        results["greedy_equivalence"] = greedy_equivalence(tmp, device, 8 if a.dry_run else 32, a.attention_backend)
         if a.dry_run:  # the workload's shape, scaled down: a tiny Qwen3 with a vocabulary that holds its ids
             model = make_tiny_checkpoint(tmp / "shape", "qwen3", vocab_size=10_240, dtype="bfloat16")
             workload = Workload.nano_vllm(num_prompts=min(a.num_prompts, 6), max_input_len=110, max_output_len=104)
@@ -244,17 +269,17 @@ def main(argv: list[str] | None = None) -> int:
         results["workload"] = []
         for eager in ((False, True) if device.type == "cuda" else (True,)):
             log(f"the workload, {'eager' if eager else 'with CUDA graphs'}")
-            results["workload"].append(run_workload(model, workload, device, eager, max_len))
+            results["workload"].append(run_workload(model, workload, device, eager, max_len, a.attention_backend))
         part = Workload(workload.prompts[:slice_size], workload.output_lens[:slice_size])  # greedy: transformers' too
         log(f"transformers on {slice_size} requests")
         theirs = bench_transformers(model, part, "bfloat16", slice_size, device=device.type)
-        ours = run_workload(model, part, device, False if device.type == "cuda" else True, max_len)
+        ours = run_workload(model, part, device, False if device.type == "cuda" else True, max_len, a.attention_backend)
         results["transformers_slice"] = dict(requests=slice_size, transformers_tokens_per_s=round(theirs.tokens_per_s, 1),
                                              minivllm_tokens_per_s=ours["tokens_per_s"],
                                              ratio=round(ours["tokens_per_s"] / theirs.tokens_per_s, 2))
         log("decode rates")
         results["decode"] = decode_rates(model, device, batches, context, steps,
-                                         results["environment"]["copy_bandwidth_gbs"])
+                                         results["environment"]["copy_bandwidth_gbs"], a.attention_backend)
     print(table(results))
     Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
     return 0
