@@ -439,3 +439,18 @@ def test_gpu_backends_match_dense(dtype, block_size, cached, backend):
     "The automatic backend (flash-attn where installed and possible, else SDPA) and SDPA, on CUDA."
     case = PagedCase([300, 40, 7], block_size, 4, 2, dtype, device="cuda", head_dim=64, seed=6)
     check_prefill_then_decode(case, cached, backend)
+
+
+def test_padded_block_tables_equal_rows_padded_by_hand():
+    "One flat copy scattered into rows: each table, then -1 up to the width; empty tables and a batch of none too."
+    g = torch.Generator().manual_seed(0)
+    tables = [torch.randint(0, 1000, (int(n),), generator=g).tolist() for n in torch.randint(0, 40, (33,), generator=g)]
+    tables[3] = []
+    for width in (None, 64):
+        w = width or max(map(len, tables))
+        want = torch.tensor([t + [-1] * (w - len(t)) for t in tables], dtype=torch.int32)
+        assert torch.equal(kv.padded_block_tables(tables, width=width), want)
+    assert kv.padded_block_tables([[], []], width=3).tolist() == [[-1] * 3] * 2
+    assert kv.padded_block_tables([]).shape == (0, 0)
+    with pytest.raises(ValueError, match="a block table of 39 blocks does not fit in a width of 5"):
+        kv.padded_block_tables([[0] * 39], width=5)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import AttentionMetadata, slot_mapping
+from ..kv_cache import AttentionMetadata, padded_block_tables, slot_mapping
 
 # %% auto #0
 __all__ = ['graph_batch_sizes', 'pick_graph_batch_size', 'DecodeBuffers', 'run_padded', 'DecodeGraphs']
@@ -46,13 +46,13 @@ class DecodeBuffers:
         pad = bucket - n
         positions = [c - 1 for c in context_lens]
         slots = [slot_mapping(t, p, p + 1, block_size)[0] for t, p in zip(block_tables, positions)]  # notebook 06's rule
-        tables = [t + [-1] * (self.max_blocks - len(t)) for t in block_tables] + [[-1] * self.max_blocks] * pad
+        tables = padded_block_tables(block_tables + [[]] * pad, width=self.max_blocks)  # notebook 06: one flat copy
         # one host-to-device copy per buffer
         self.input_ids[:bucket].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
         self.positions[:bucket].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
         self.slot_mapping[:bucket].copy_(torch.tensor(slots + [-1] * pad), non_blocking=True)
         self.context_lens[:bucket].copy_(torch.tensor(context_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:bucket].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        self.block_tables[:bucket].copy_(tables, non_blocking=True)
 
     def metadata(self, bucket: int) -> AttentionMetadata:
         "Decode metadata over the first `bucket` rows (views: a graph captured with them reads what `fill` wrote)."
