@@ -5,11 +5,16 @@
 # %% ../nbs/04a_cpu_kernels.ipynb #4ef0599b
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import threading
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -18,10 +23,10 @@ import torch.nn.functional as F
 from .distributed import _torch_version
 
 # %% auto #0
-__all__ = ['KERNEL_FLAGS', 'KERNEL_TORCH', 'CPU_VECTOR_HELPERS', 'CPU_LAYER_KERNELS_SOURCE', 'CPU_KERNEL_DTYPES', 'BF16_PANEL',
-           'BF16_GEMM_SOURCE', 'cpu_kernels_enabled', 'build_cpu_extension', 'layer_kernels', 'use_cpu_kernels',
-           'check_cpu_tensors', 'add_rms_norm', 'silu_and_mul', 'rotary_embedding', 'argmax_rows', 'bf16_gemm',
-           'pack_bf16_panels', 'avx512bf16_linear']
+__all__ = ['KERNEL_FLAGS', 'KERNEL_TORCH', 'KERNEL_WAIT_S', 'CPU_VECTOR_HELPERS', 'CPU_LAYER_KERNELS_SOURCE', 'CPU_KERNEL_DTYPES',
+           'BF16_PANEL', 'BF16_GEMM_SOURCE', 'cpu_kernels_enabled', 'kernel_cache', 'kernel_build_folder', 'file_lock',
+           'build_cpu_extension', 'layer_kernels', 'use_cpu_kernels', 'check_cpu_tensors', 'add_rms_norm',
+           'silu_and_mul', 'rotary_embedding', 'argmax_rows', 'bf16_gemm', 'pack_bf16_panels', 'avx512bf16_linear']
 
 # %% ../nbs/04a_cpu_kernels.ipynb #b755915d
 KERNEL_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast"]
@@ -45,12 +50,67 @@ def _say_why_off() -> None:
             f"the C++ CPU kernels are tested with torch >= {'.'.join(map(str, KERNEL_TORCH))} and this is torch "
             f"{torch.__version__}: torch's operations serve instead (MINIVLLM_CPU_KERNEL=1 builds the kernels anyway)")
 
+# %% ../nbs/04a_cpu_kernels.ipynb #cba20177
+KERNEL_WAIT_S = 300.0  # the longest a process waits for another's build of a library (MINIVLLM_KERNEL_WAIT_S)
+
+def kernel_cache() -> Path:
+    "Where built kernels live: `$MINIVLLM_CACHE/kernels`, else `~/.cache/minivllm/kernels`."
+    return Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm")) / "kernels"
+
+@functools.cache
+def _toolchain() -> tuple[str, ...]:
+    "What besides the source and flags changes the binary: the CPU, torch's version and install, the environment, the compiler, ninja."
+    def first_line(*cmd: str) -> str:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.partition("\n")[0]
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    cpu = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line for line in f if line.startswith("flags")), "")
+    # subtle: -march=native code runs only on CPUs like this one, and a build against one environment's torch
+    # (its headers, its ninja) would be rebuilt by the next environment to use it: each gets its own folder
+    return (cpu, torch.__version__, str(Path(torch.__file__).parent), sys.prefix,
+            first_line(os.environ.get("CXX", "c++"), "--version"), first_line("ninja", "--version"))
+
+def kernel_build_folder(source: str) -> Path:
+    "The cache folder of one library's build: named by everything that changes the binary."
+    return kernel_cache() / hashlib.sha1("\n".join([source, *KERNEL_FLAGS, *_toolchain()]).encode()).hexdigest()[:12]
+
+@contextlib.contextmanager
+def file_lock(path: Path, timeout_s: float):
+    "Hold an exclusive `flock` on `path` while the block runs; yields whether it was taken within `timeout_s`."
+    # subtle: the kernel frees a flock when its holder dies, however it dies (SIGKILL, OOM, a container stop): no
+    # stale lock can outlive a killed build, unlike a lock *file* (torch's, which a killed build leaves behind)
+    with open(path, "a") as f:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.1)
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# %% ../nbs/04a_cpu_kernels.ipynb #a1b0348a
 _BUILDING = threading.Lock()  # one build or load at a time: threads may ask for a library at once (notebook 11's streams)
 
 def build_cpu_extension(name: str, source: str) -> bool:
-    "Compile and load the C++ `source` (once per machine, then from the cache); whether its operators are in `torch.ops`."
+    "Load the C++ `source`'s library, built once per machine and environment; whether its operators are in `torch.ops`."
     with _BUILDING:
         return _build_once(name, source)
+
+def _waits_for_builds() -> bool:
+    "Whether this process builds a missing library itself and waits for it (`MINIVLLM_KERNEL_BUILD=wait`), else a background process builds it."
+    return os.environ.get("MINIVLLM_KERNEL_BUILD") == "wait"
 
 @functools.cache
 def _build_once(name: str, source: str) -> bool:
@@ -58,26 +118,73 @@ def _build_once(name: str, source: str) -> bool:
     if not cpu_kernels_enabled():
         _say_why_off()
         return False
-    cpu = ""
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line for line in f if line.startswith("flags")), "")
-    # subtle: -march=native code runs only on CPUs like this one, so the CPU's flags are part of the build's name
-    tag = hashlib.sha1("\n".join([source, *KERNEL_FLAGS, cpu, torch.__version__]).encode()).hexdigest()[:12]
-    build = Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm")) / "kernels" / tag
-    log = logging.getLogger("minivllm")
+    build, log = kernel_build_folder(source), logging.getLogger("minivllm")
+    wait_s = float(os.environ.get("MINIVLLM_KERNEL_WAIT_S", KERNEL_WAIT_S))
     try:
-        from torch.utils.cpp_extension import load_inline
         build.mkdir(parents=True, exist_ok=True)
-        if not any(build.glob("*.so")):
-            log.warning(f"building the CPU kernels {name} (once on this machine, about 25 s)")
-        load_inline(f"{name}_{tag}", cpp_sources=[source], extra_cflags=KERNEL_FLAGS, extra_ldflags=["-fopenmp"],
-                    build_directory=str(build), is_python_module=False)
+        built = any(build.glob("*.so"))
+        if not built and not _waits_for_builds():
+            _build_in_background(name, source, build)
+            return False
+        with file_lock(build / "minivllm.lock", wait_s) as held:
+            if not held:  # another process is building (or loading) it
+                _say_building_elsewhere(name, build, wait_s)
+                return False
+            # subtle: we hold the flock, so no live minivllm process builds here: a torch `lock` file is a killed
+            # build's, and torch's `load` would wait for it forever
+            (build / "lock").unlink(missing_ok=True)
+            if not built:
+                log.warning(f"building the CPU kernels {name} (once per machine and environment, about 10 s; "
+                            "MINIVLLM_CPU_KERNEL=0 skips them)")
+            _write_if_changed(build / "source.cpp", source)
+            from torch.utils.cpp_extension import load
+            # subtle: `load` of a file compiles the source as it is; `load_inline` would put torch/extension.h (all of
+            # torch's C++ API and pybind11) in front of it, which took 26 s of a library's 9 here
+            load(f"{name}_{build.name}", [str(build / "source.cpp")], extra_cflags=KERNEL_FLAGS,
+                 extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
         return True
     except Exception as e:  # no compiler, no ninja, a read-only home: the torch code still works
         log.warning(f"the CPU kernels {name} could not be built, using torch's operations instead "
                     f"({type(e).__name__}: {str(e).strip()[-300:]})")
         return False
+
+# the background builder: one at a time per cache (the cache's own lock), then the library's build as any process's
+_BUILD_IN_CHILD = """import math, sys
+from pathlib import Path
+from minivllm.cpu_kernels import build_cpu_extension, file_lock, kernel_cache
+with file_lock(kernel_cache() / "builder.lock", math.inf):
+    sys.exit(0 if build_cpu_extension(sys.argv[1], Path(sys.argv[2]).read_text()) else 1)"""
+
+def _write_if_changed(path: Path, text: str) -> None:
+    "Write `text` to `path` unless it holds it already (ninja rebuilds what is newer than its library)."
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+
+def _build_in_background(name: str, source: str, build: Path) -> None:
+    "Start a process of its own that builds the library (one build at a time per cache, in turn); say so once."
+    _write_if_changed(build / "source.cpp", source)
+    with open(build / "build.log", "a") as out:
+        # subtle: a session of its own, so that the Ctrl-C that stops this process leaves the build to finish;
+        # one builder at a time keeps a small machine's cores for the engine
+        subprocess.Popen([sys.executable, "-c", _BUILD_IN_CHILD, name, str(build / "source.cpp")],
+                         stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                         env=os.environ | {"MINIVLLM_KERNEL_BUILD": "wait"})
+    _say_building_in_background(build.parent)
+
+@functools.cache
+def _say_building_in_background(cache: Path) -> None:
+    "Say once per process that the kernels are being built and torch's operations serve meanwhile."
+    logging.getLogger("minivllm").warning(
+        f"the CPU kernels are being built in the background (about 10 s a library, once per machine and environment; "
+        f"logs in {cache}/*/build.log): torch's operations serve until they are ready (MINIVLLM_KERNEL_BUILD=wait "
+        "waits for them, MINIVLLM_CPU_KERNEL=0 skips them)")
+
+def _say_building_elsewhere(name: str, build: Path, wait_s: float) -> None:
+    "Say that another process holds the library's lock past the time limit, and that torch's operations serve."
+    logging.getLogger("minivllm").warning(
+        f"another process has been building the CPU kernels {name} for over {wait_s:.0f} s ({build}): "
+        "torch's operations serve in this process")
+
 
 # %% ../nbs/04a_cpu_kernels.ipynb #ae0729f6
 CPU_VECTOR_HELPERS = r"""

@@ -10,6 +10,8 @@ import torch
 # before any test module imports minivllm; on CPU the kernels then run in Triton's interpreter.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# the tests check the C++ kernels themselves: a missing one is built before its first use, not in the background
+os.environ.setdefault("MINIVLLM_KERNEL_BUILD", "wait")
 
 from minivllm.testing import leftover_segments, make_chat_checkpoint, rank_processes, shm_segments  # noqa: E402
 
