@@ -19,7 +19,8 @@ from .engine.core import (Abort, AddRequest, EngineCoreGone, EngineCoreProcess, 
                                   Rejected, StepOutputs, rebuild_error)
 from .engine.model_runner import EngineArgs
 from .engine.scheduler import SamplingParams, Sequence, SequenceStatus, check_fits
-from .llm import CompletionOutput, Request, RequestOutput, _load_tokenizer, encode_prompt, logger
+from .llm import (CompletionOutput, Request, RequestOutput, _load_tokenizer, check_params_for_model, encode_prompt,
+                          logger)
 from fastcore.basics import patch
 
 # %% auto #0
@@ -157,8 +158,7 @@ class AsyncLLM:
     def check(self, prompt: str | list[int], params: SamplingParams, must_fit: bool = False) -> tuple[str | None, list[int]]:
         "`(text, token_ids)` of a request the engine core would take; `ValueError` saying why it would refuse it."
         text, ids = encode_prompt(prompt, self.tokenizer, self.config.vocab_size, self.args.model)
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop strings need a tokenizer, and {self.args.model} has none: use stop_token_ids")
+        check_params_for_model(params, self.tokenizer, self.config.vocab_size, self.args.model)
         # subtle: the scheduler's own rule (notebook 09), so that a batch of prompts is judged whole before any runs
         check_fits(len(ids), params.max_tokens, self.args.max_model_len, self.core.num_blocks,
                    self.args.kvcache_block_size, must_fit)

@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import importlib.util
 import os
 
 import torch
@@ -13,8 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cpu_kernels import CPU_VECTOR_HELPERS, build_cpu_extension, check_cpu_tensors
-from .kv_cache import (HAS_TRITON, TRITON_RUNS_ON_CPU, AttentionMetadata, check_store_args,
-                               store_kvcache_torch, store_kvcache_triton)
+from .kv_cache import AttentionMetadata, check_store_args, store_kvcache_torch
+
+# subtle: whether triton is there, asked without importing it: the CPU path never loads it (importing triton starts
+# its compiler's runtime, which prints a page of "nanobind: leaked" lines when the process exits)
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Triton's interpreter runs kernels on CPU tensors only from triton 3.2 on; the interpreter of triton 3.0 and 3.1
+# (which torch 2.4 and 2.5 pin) copies CPU tensors in and never writes them back, a silent no-op
+TRITON_RUNS_ON_CPU = HAS_TRITON and tuple(int(n) for n in importlib.metadata.version("triton").split(".")[:2]) >= (3, 2)
 
 try:  # optional: the fast attention kernels on CUDA (`pip install minivllm[gpu]`)
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -24,11 +32,11 @@ except ImportError:
     HAS_FLASH_ATTN = False
 
 # %% auto #0
-__all__ = ['CPU_KERNEL_SOURCE', 'ATTENTION_BACKENDS', 'VLLM_BACKEND_NAMES', 'CPU_DECODE_DTYPES', 'attention_reference',
-           'causal_mask', 'attention_sdpa', 'gather_kv', 'decode_attention', 'paged_attention_torch',
-           'cpu_decode_kernel', 'cpu_store_kernel', 'paged_decode_attention_cpu', 'store_kvcache',
-           'paged_attention_flash', 'attention_backend_name', 'check_backend_runs', 'attention_backend', 'Attention',
-           'set_attention_backend']
+__all__ = ['HAS_TRITON', 'TRITON_RUNS_ON_CPU', 'CPU_KERNEL_SOURCE', 'ATTENTION_BACKENDS', 'VLLM_BACKEND_NAMES',
+           'CPU_DECODE_DTYPES', 'attention_reference', 'causal_mask', 'attention_sdpa', 'gather_kv', 'decode_attention',
+           'paged_attention_torch', 'cpu_decode_kernel', 'cpu_store_kernel', 'paged_decode_attention_cpu',
+           'store_kvcache', 'paged_attention_flash', 'attention_backend_name', 'check_backend_runs',
+           'attention_backend', 'Attention', 'set_attention_backend']
 
 # %% ../nbs/06a_attention.ipynb #345919a1
 def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -307,7 +315,10 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     "Write each token's key and value into its cache slot (`< 0`: skip): Triton on CUDA, C++ on the CPU, else torch."
     kernel = cpu_store_kernel() if key.device.type == "cpu" else None
     if kernel is None:  # the Triton and torch stores check their own arguments
-        store = store_kvcache_triton if HAS_TRITON and key.is_cuda else store_kvcache_torch
+        if HAS_TRITON and key.is_cuda:  # notebook 06b's kernel, imported only here
+            from minivllm.triton_attention import store_kvcache_triton as store
+        else:
+            store = store_kvcache_torch
         return store(key, value, k_cache, v_cache, slot_mapping)
     check_store_args(key, value, k_cache, v_cache, slot_mapping)  # the same messages as the other stores
     check_cpu_tensors("store_kvcache", (key.dtype,), value=value, k_cache=k_cache, v_cache=v_cache)

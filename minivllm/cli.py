@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import sys
 from pathlib import Path
@@ -13,10 +14,29 @@ from pathlib import Path
 from . import __version__
 
 # %% auto #0
-__all__ = ['DTYPES', 'USER_ERRORS', 'check_tokenizer', 'OneLineErrorParser', 'LazyParser', 'DefaultsFormatter',
-           'add_node_options', 'add_engine_options', 'make_parser', 'print_streamed', 'main']
+__all__ = ['DTYPES', 'USER_ERRORS', 'is_local_model', 'split_model_and_prompts', 'check_tokenizer', 'OneLineErrorParser',
+           'LazyParser', 'DefaultsFormatter', 'add_node_options', 'add_engine_options', 'make_parser', 'print_streamed',
+           'main']
 
 # %% ../nbs/15_cli.ipynb #d81c6a1f
+def is_local_model(name: str) -> bool:
+    "Whether `name` is a checkpoint on this machine: a folder with a config.json, or a hub id already in the cache."
+    if (Path(name) / "config.json").is_file():
+        return True
+    if name.count("/") != 1 or name.startswith((".", "/")) or " " in name:
+        return False
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:  # not a valid hub id
+        return False
+
+def split_model_and_prompts(model: str | None, prompts: list[str]) -> tuple[str | None, list[str]]:
+    "`generate MODEL PROMPT...` as `vllm serve MODEL` puts it: a first argument that is a local checkpoint is the model."
+    if model is None and len(prompts) > 1 and is_local_model(prompts[0]):
+        return prompts[0], prompts[1:]
+    return model, prompts
+
 def check_tokenizer(folder: Path, chat: bool) -> None:
     "Raise `ValueError`, before the model loads, if `folder` cannot encode text or (`chat`) has no chat template."
     from minivllm.config import TOKENIZER_FILES, has_tokenizer
@@ -35,6 +55,17 @@ class OneLineErrorParser(argparse.ArgumentParser):
     "An `ArgumentParser` whose usage errors are one line, `minivllm: error: ...`, like the command's other errors."
     def error(self, message: str):
         self.exit(2, f"minivllm: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        "As argparse's, but an unknown option is refused by the sub-command it was given to, with the nearest names."
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            commands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+            parser = commands.get(getattr(namespace, "command", None), self)
+            known = [o for a in parser._actions for o in a.option_strings]
+            near = sorted({m for e in extras for m in difflib.get_close_matches(e.split("=")[0], known, n=2)})
+            parser.error(f"unrecognized arguments: {' '.join(extras)}" + (f" (did you mean {' or '.join(near)}?)" if near else ""))
+        return namespace
 
 class LazyParser(OneLineErrorParser):
     "A sub-command's parser whose options `fill(parser)` adds when it is first used, so their modules load only then."
@@ -96,7 +127,9 @@ def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="complete prompts and print the completions",
                        description="Complete each prompt and print it with its completion: as it is generated on a "
                                    "terminal, at the end into a pipe or a file.", epilog=_SAMPLING_NOTE)
-    g.add_argument("prompts", nargs="+", help="one or more prompts, each one argument (quote prompts with spaces)")
+    g.add_argument("prompts", nargs="+", metavar="[MODEL] PROMPT",
+                   help="one or more prompts, each one argument (quote prompts with spaces); a first argument that is "
+                        "a checkpoint folder, or a hub id already downloaded, is the model (as --model)")
     g.add_argument("--model", default=None,
                    help="a Hugging Face checkpoint folder, or a hub id such as Qwen/Qwen3-0.6B, taken from the "
                         "local Hugging Face cache or downloaded (default: the packaged model)")
@@ -124,7 +157,8 @@ def _add_serve(sub) -> None:
     "`minivllm serve`'s options, named as `vllm serve` names them."
     s = sub.add_parser("serve", help="serve a model over OpenAI's API (completions, chat, streaming)",
                        description="Serve a model over OpenAI's API until Ctrl-C or SIGTERM: POST /v1/completions, "
-                                   "POST /v1/chat/completions, GET /v1/models, /health and /metrics (notebook 13c).")
+                                   "POST /v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize, "
+                                   "GET /version, /health and /metrics (notebook 13c).")
     s.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="a Hugging Face checkpoint folder or hub id, as `vllm serve MODEL` takes it "
                         "(default: the packaged model)")
@@ -149,6 +183,15 @@ def _add_serve(sub) -> None:
                    help="never capture CUDA graphs; the CPU always runs eagerly (default: off)")
     s.add_argument("--seed", type=int, default=0,
                    help="seeds the draws of requests that bring no seed of their own (default: %(default)s)")
+    s.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help="the chat template for /v1/chat/completions: a Jinja file, or the template itself (default: "
+                        "the tokenizer's)")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of prompts' shared beginnings; minivllm always does (notebook 08), so "
+                        "--no-enable-prefix-caching is refused (default: on)")
+    s.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM's scripts: minivllm never runs a checkpoint's own code, it builds Qwen3, "
+                        "Qwen2 and Llama itself (default: off)")
     s.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="send each stream's new text every N tokens (its first token and its end at once): fewer, "
                         "larger events cost the server less per token, as vLLM's option (default: %(default)s)")
@@ -269,8 +312,10 @@ def _generate_command(a: argparse.Namespace) -> int:
     from minivllm.config import Config, model_folder
     from minivllm.llm import LLM
     from minivllm.sampling_params import SamplingParams
+    from tqdm.auto import tqdm
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, max_tokens=a.max_tokens,
                             seed=a.seed, ignore_eos=a.ignore_eos)
+    a.model, a.prompts = split_model_and_prompts(a.model, a.prompts)
     folder = model_folder(a.model)
     Config.from_pretrained(folder, tensor_parallel_size=a.tp, dtype=_dtype(a))  # the checks that need no weights
     check_tokenizer(folder, a.chat)
@@ -286,12 +331,19 @@ def _generate_command(a: argparse.Namespace) -> int:
             if sys.stdout.isatty():
                 print_streamed(llm.stream(list(prompts), params), heads)
                 return 0
-            outputs = llm.generate(list(prompts), params, use_tqdm=not a.quiet)
+            texts = [""] * len(prompts)
+            try:  # into a pipe: the completions whole at the end, or as far as they got when Ctrl-C stops them
+                with tqdm(total=len(prompts), desc="generate", unit="req", disable=a.quiet, dynamic_ncols=True) as bar:
+                    for delta in llm.stream(list(prompts), params):
+                        texts[int(delta.request_id)] += delta.text
+                        if delta.finished:
+                            bar.update(1)
+            finally:
+                for head, text in zip(heads, texts):
+                    print(f"{head}{text}")
+                    if len(texts) > 1: print("-" * 40)
     finally:
         engine_logger.setLevel(level)  # subtle: main() may run in a longer-lived process (tests, notebooks)
-    for head, out in zip(heads, outputs):
-        print(f"{head}{out.text}")
-        if len(outputs) > 1: print("-" * 40)
     return 0
 
 def _serve_command(a: argparse.Namespace) -> int:
@@ -300,6 +352,12 @@ def _serve_command(a: argparse.Namespace) -> int:
     model = _model_argument(a)
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be from 0 to 65535, got {a.port}")
+    if not a.enable_prefix_caching:
+        raise ValueError("minivllm always caches prompts' shared beginnings (a block is reused only when its tokens "
+                         "match): drop --no-enable-prefix-caching")
+    template = a.chat_template
+    if template is not None and "{" not in template:  # a file's path (a template always holds a Jinja tag)
+        template = Path(template).read_text()
     from minivllm.config import Config, model_folder
     from minivllm.server import serve
     folder = model_folder(model)
@@ -308,7 +366,8 @@ def _serve_command(a: argparse.Namespace) -> int:
           a.served_model_name or model, a.log_level, dtype=_dtype(a), max_model_len=a.max_model_len,
           max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
           gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
-          seed=a.seed, num_threads=a.num_threads, stream_interval=a.stream_interval, **_node_kwargs(a),
+          seed=a.seed, num_threads=a.num_threads, stream_interval=a.stream_interval, chat_template=template,
+          **_node_kwargs(a),
           **{name: value for name in ("max_request_bytes", "max_prompts_per_request", "max_queued_tokens")
              if (value := getattr(a, name)) is not None})
     return 0

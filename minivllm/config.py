@@ -19,8 +19,8 @@ import torch
 # %% auto #0
 __all__ = ['SUPPORTED_ROPE_TYPES', 'SUPPORTED_MODEL_TYPES', 'INT_FIELDS', 'INT64_MAX', 'TOKENIZER_FILES', 'HUB_FILE_PATTERNS',
            'DEFAULT_MODEL', 'rope_from_hf', 'rope_type', 'parse_dtype', 'dtype_from_hf', 'valid_tp_sizes',
-           'check_tensor_parallel', 'is_int', 'is_positive_int', 'check_positive_int', 'check_token_ids', 'check_text',
-           'Config', 'resolve_model', 'model_folder', 'has_tokenizer']
+           'check_tensor_parallel', 'is_int', 'is_positive_int', 'check_positive_int', 'check_known_fields',
+           'check_token_ids', 'check_text', 'Config', 'resolve_model', 'model_folder', 'has_tokenizer']
 
 # %% ../nbs/00_config.ipynb #ca7288cb
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -104,6 +104,13 @@ def check_positive_int(name: str, value) -> None:
     "Raise `ValueError` naming `name` unless `value` is an integer >= 1."
     if not is_positive_int(value):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+def check_known_fields(cls, kwargs: dict) -> None:
+    "Raise `TypeError` naming the fields of dataclass `cls` if `kwargs` holds another (a dataclass's own error names only the stranger)."
+    unknown = sorted(set(kwargs) - set(cls.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no parameter {', '.join(map(repr, unknown))}; it takes "
+                        f"{', '.join(cls.__dataclass_fields__)}")
 
 # %% ../nbs/00_config.ipynb #e208fedb
 INT64_MAX = 2**63 - 1  # the largest integer the engine holds: its messages (msgspec) and tensors are 64 bits wide

@@ -11,21 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-try:  # optional: the store kernel on CUDA (torch's CUDA wheels bring it along)
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except ImportError:
-    triton = tl = None
-    HAS_TRITON = False
-# subtle: Triton's interpreter runs kernels on CPU tensors only from triton 3.2 on; the interpreter of triton 3.0
-# and 3.1 (which torch 2.4 and 2.5 pin) copies CPU tensors in and never writes them back, a silent no-op.
-TRITON_RUNS_ON_CPU = HAS_TRITON and tuple(int(n) for n in triton.__version__.split(".")[:2]) >= (3, 2)
-
 # %% auto #0
-__all__ = ['TRITON_RUNS_ON_CPU', 'DECODE_GROUP_SIZE', 'allocate_kv_cache', 'kv_cache_bytes_per_block', 'slot_mapping',
-           'check_store_args', 'store_kvcache_torch', 'store_kvcache_triton', 'AttentionMetadata',
-           'padded_block_tables', 'prefill_metadata', 'decode_metadata', 'length_groups']
+__all__ = ['DECODE_GROUP_SIZE', 'allocate_kv_cache', 'kv_cache_bytes_per_block', 'slot_mapping', 'check_store_args',
+           'store_kvcache_torch', 'AttentionMetadata', 'padded_block_tables', 'prefill_metadata', 'decode_metadata',
+           'length_groups']
 
 # %% ../nbs/06_kv_cache.ipynb #6a3455bc
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -69,44 +58,6 @@ def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.T
     # subtle: `view`, never `reshape`: a reshape may return a copy, and the write would vanish with it.
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key[keep])
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value[keep])
-
-# %% ../nbs/06_kv_cache.ipynb #a92c21a7
-if HAS_TRITON:
-    @triton.jit
-    def _store_kvcache_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr,
-                              slot_mapping_ptr, D: tl.constexpr, BLOCK: tl.constexpr):
-        "Program `i`: copy token `i`'s `D` key and value numbers into row `slot_mapping[i]` of the caches."
-        token = tl.program_id(0).to(tl.int64)
-        slot = tl.load(slot_mapping_ptr + token)  # int64: slot * D overflows int32 in a large cache
-        if slot < 0:
-            return
-        offsets = tl.arange(0, BLOCK)
-        mask = offsets < D
-        k = tl.load(key_ptr + token * key_stride + offsets, mask=mask)
-        v = tl.load(value_ptr + token * value_stride + offsets, mask=mask)
-        tl.store(k_cache_ptr + slot * D + offsets, k, mask=mask)
-        tl.store(v_cache_ptr + slot * D + offsets, v, mask=mask)
-
-# %% ../nbs/06_kv_cache.ipynb #6b1eb82b
-def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor) -> None:
-    "`store_kvcache_torch` as a Triton kernel, one program per token (CPU tensors need `TRITON_INTERPRET=1`)."
-    if not HAS_TRITON:
-        raise RuntimeError("store_kvcache_triton needs triton: pip install triton (or use store_kvcache_torch)")
-    if not key.is_cuda and not TRITON_RUNS_ON_CPU:
-        raise RuntimeError(f"triton {triton.__version__} cannot run kernels on CPU tensors (its interpreter would "
-                           "store nothing): use store_kvcache_torch on the CPU, or triton >= 3.2")
-    check_store_args(key, value, k_cache, v_cache, slot_mapping)
-    T, D = key.shape[0], key.shape[1] * key.shape[2]
-    # the kernel reads each token's row as D consecutive numbers: copy keys or values not laid out so
-    key = key if key.stride(-1) == 1 and key.stride(1) == key.shape[2] else key.contiguous()
-    value = value if value.stride(-1) == 1 and value.stride(1) == value.shape[2] else value.contiguous()
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.is_contiguous()):
-        raise ValueError("store_kvcache_triton needs contiguous caches and slot mapping")
-    if T == 0:
-        return
-    _store_kvcache_kernel[(T,)](key, key.stride(0), value, value.stride(0), k_cache, v_cache, slot_mapping,
-                                D=D, BLOCK=triton.next_power_of_2(D))
 
 # %% ../nbs/06_kv_cache.ipynb #091ad1e6
 @dataclass

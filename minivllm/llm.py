@@ -24,6 +24,7 @@ from .engine.block_manager import BlockManager
 from .engine.launch import Ranks
 from .engine.model_runner import EngineArgs, ModelRunner
 from .engine.scheduler import SamplingParams, Scheduler, Sequence
+from .sampling_params import ParamError
 
 if TYPE_CHECKING:  # the channels' types, for the annotations only: the ranks are notebook 11a's business
     from minivllm.engine.ipc import ShmCommandChannel
@@ -31,7 +32,7 @@ if TYPE_CHECKING:  # the channels' types, for the annotations only: the ranks ar
 
 # %% auto #0
 __all__ = ['logger', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer', 'CompletionText', 'Request', 'LLM',
-           'encode_prompt', 'sample_seed']
+           'encode_prompt', 'check_params_for_model', 'sample_seed']
 
 # %% ../nbs/13_llm.ipynb #23843fa7
 @dataclass
@@ -97,11 +98,11 @@ def _load_tokenizer(path: Path):
 # %% ../nbs/13_llm.ipynb #f7f8de9d
 class IncrementalDetokenizer:
     "The text of a growing list of token ids, a new piece per call, decoding only the last few tokens."
-    def __init__(self, tokenizer):
-        self.tokenizer, self.token_ids = tokenizer, []
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.token_ids, self.skip_special_tokens = tokenizer, [], skip_special_tokens
         self.prefix = self.read = 0  # ids[prefix:read] were decoded last time; ids[read:] are new
 
-    def _decode(self, ids: list[int]) -> str: return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def _decode(self, ids: list[int]) -> str: return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: list[int]) -> str:
         "The text that `token_ids` add (possibly empty: a character still incomplete)."
@@ -120,9 +121,10 @@ class IncrementalDetokenizer:
 
 # %% ../nbs/13_llm.ipynb #2d536ce4
 class CompletionText:
-    "A completion's text as its tokens come: decoded piece by piece, cut before the first stop string."
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
-        self.detokenizer, self.stop, self.text = IncrementalDetokenizer(tokenizer), stop, ""
+    "A completion's text as its tokens come: decoded piece by piece, cut before the first stop string (or after it, `include_stop`)."
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop: bool = False, skip_special_tokens: bool = True):
+        self.detokenizer, self.stop, self.text = IncrementalDetokenizer(tokenizer, skip_special_tokens), stop, ""
+        self.include_stop = include_stop
         self.hold = max(map(len, stop), default=1) - 1  # characters that might begin a stop string
         self.stopped = False  # a stop string was found
 
@@ -132,9 +134,10 @@ class CompletionText:
             return True
         start = max(0, len(self.text) - self.hold)  # subtle: a stop string may begin in the text held back
         self.text += self.detokenizer.add(token_ids) + (self.detokenizer.flush() if finished else "")
-        found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0] if look else []
+        found = [(i, len(s)) for s in self.stop if (i := self.text.find(s, start)) >= 0] if look else []
         if found:
-            self.text, self.stopped = self.text[:min(found)], True
+            at, length = min(found)  # the first stop string in the text (of two at one place, the shorter)
+            self.text, self.stopped = self.text[:at + length * self.include_stop], True
         return self.stopped
 
     def ready(self, finished: bool) -> int:
@@ -147,11 +150,12 @@ class Request:
     def __init__(self, request_id: str, prompt_text: str | None, seqs: list[Sequence], tokenizer, stream: bool):
         self.request_id, self.prompt_text, self.seqs = request_id, prompt_text, seqs
         self.tokenizer, self.stream = tokenizer, stream
-        stop = seqs[0].sampling_params.stop
+        params = seqs[0].sampling_params
         # subtle: text is followed token by token only when a stream or a stop string needs it; generate() of
         # plain requests decodes each completion once, at the end (the pieces add up to the same text)
-        follow = tokenizer is not None and (stream or bool(stop))
-        self.texts = [CompletionText(tokenizer, stop) if follow else None for _ in seqs]
+        follow = tokenizer is not None and (stream or bool(params.stop))
+        self.texts = [CompletionText(tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
+                      if follow else None for _ in seqs]
         self.seen = [0] * len(seqs)  # per sequence: completion tokens already added to its text
         self.sent_tokens, self.sent_chars = [0] * len(seqs), [0] * len(seqs)
         self.sent_finish = [False] * len(seqs)
@@ -179,7 +183,8 @@ class Request:
         if text is not None:
             shown = text.text[first_char:text.ready(done)]
         elif self.tokenizer is not None:
-            shown = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True) if done else ""
+            shown = (self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=seq.sampling_params.skip_special_tokens)
+                     if done else "")
         else:
             shown = None
         logprobs = seq.logprobs[first_token:] if seq.logprobs is not None else None
@@ -262,7 +267,12 @@ class LLM:
 
 # %% ../nbs/13_llm.ipynb #33969779
 def encode_prompt(prompt, tokenizer, vocab_size: int, model) -> tuple[str | None, list[int]]:
-    "`(text, token_ids)` of a prompt given as a string, or as token ids (a list, a NumPy array, a tensor) of `model`."
+    "`(text, token_ids)` of a prompt given as a string, as token ids (a list, a NumPy array, a tensor), or as vLLM's dict of either."
+    if isinstance(prompt, dict):  # vLLM's TextPrompt {"prompt": ...} and TokensPrompt {"prompt_token_ids": ...}
+        if sorted(prompt) not in (["prompt"], ["prompt_token_ids"]):
+            raise ValueError(f"a prompt given as a dict holds one of 'prompt' (text) or 'prompt_token_ids', got keys "
+                             f"{sorted(prompt)}")
+        prompt = prompt[next(iter(prompt))]
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(f"{model} has no tokenizer: pass prompts as lists of token ids")
@@ -272,6 +282,19 @@ def encode_prompt(prompt, tokenizer, vocab_size: int, model) -> tuple[str | None
     if is_int(prompt) or not hasattr(prompt, "__iter__"):
         raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__} {prompt!r}")
     return None, check_token_ids(prompt, vocab_size)  # NumPy and torch ints become Python ints
+
+def check_params_for_model(params: SamplingParams, tokenizer, vocab_size: int, model) -> None:
+    "`ValueError` if `params` ask for what this model cannot give: stop strings without a tokenizer, a bias past the vocabulary."
+    if params.stop and tokenizer is None:
+        raise ValueError(f"stop strings need a tokenizer, and {model} has none: use stop_token_ids")
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise ParamError("logit_bias", f"logit_bias names token {max(params.logit_bias)}, out of range for a "
+                         f"vocabulary of {vocab_size}")
+
+@patch
+def get_tokenizer(self: LLM):
+    "The model's tokenizer (transformers'), as vLLM's `LLM.get_tokenizer()`; None for a model without one."
+    return self.tokenizer
 
 @patch
 def _prompt_ids(self: LLM, prompt) -> tuple[str | None, list[int]]:
@@ -292,8 +315,7 @@ def add_request(self: LLM, prompt: str | list[int], sampling_params: SamplingPar
     seqs = [self.scheduler.add(ids, sampling_params, must_fit=must_fit)]  # checks its parameters, length and room
     params = seqs[0].sampling_params
     try:
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop strings need a tokenizer, and {self.args.model} has none: use stop_token_ids")
+        check_params_for_model(params, self.tokenizer, self.config.vocab_size, self.args.model)
         for i in range(1, params.n):  # the other samples of the prompt share its blocks (notebook 09)
             own = replace(params, seed=sample_seed(params.seed, i))
             seqs.append(self.scheduler.add(ids, own, shares_prompt_with=seqs[0]))
@@ -343,9 +365,9 @@ def step(self: LLM) -> tuple[list[Sequence], dict]:
 
 # %% ../nbs/13_llm.ipynb #859dbf4e
 def _as_prompt_list(prompts) -> list:
-    "The prompts as a list: a string, a flat list of ids, a 1-D array or tensor is one prompt."
-    flat = isinstance(prompts, Seq) and prompts and not any(isinstance(t, str) or hasattr(t, "__len__") for t in prompts)
-    if isinstance(prompts, str) or (hasattr(prompts, "ndim") and prompts.ndim == 1) or flat:
+    "The prompts as a list: a string, a flat list of ids, a 1-D array or tensor, a dict (vLLM's) is one prompt."
+    flat = isinstance(prompts, Seq) and prompts and not any(isinstance(t, (str, dict)) or hasattr(t, "__len__") for t in prompts)
+    if isinstance(prompts, (str, dict)) or (hasattr(prompts, "ndim") and prompts.ndim == 1) or flat:
         return [prompts]
     prompts = list(prompts)
     if not prompts:
@@ -364,6 +386,8 @@ def _add_requests(self: LLM, prompts: list, sampling_params, stream: bool) -> li
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
                 requests.append(self.add_request(prompt, p, request_id=str(i), stream=stream))
+            except ParamError as e:  # keeps the field it names (a server's 400 names it too)
+                raise ParamError(e.param, f"prompt {i}: {e}") from None
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
     except BaseException:

@@ -11,7 +11,7 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .config import INT64_MAX, check_text, check_token_ids, is_int
+from .config import INT64_MAX, check_known_fields, check_text, check_token_ids, is_int
 
 # %% auto #0
 __all__ = ['ParamError', 'check_real', 'check_int', 'SamplingParams']
@@ -63,6 +63,15 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted from a token's logit once per time it was generated (-2 to 2)
     repetition_penalty: float = 1.0  # 1: off; a logit of a token in the prompt or output: divided if > 0, else multiplied
     logprobs: int | None = None  # k: each generated token's log-probability, and the k most likely (0 to 20)
+    include_stop_str_in_output: bool = False  # True: the text ends with the stop string that ended it
+    skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (-100 to 100)
+    prompt_logprobs: int | None = None  # vLLM's log-probabilities of the prompt's tokens: not computed here (None only)
+
+    def __new__(cls, *args, **kwargs):
+        "Refuse an unknown keyword by naming the ones that exist."
+        check_known_fields(cls, kwargs)
+        return super().__new__(cls)
 
     def __post_init__(self):
         check_real("temperature", self.temperature, lambda t: math.isfinite(t) and t >= 0, "a finite number >= 0 (0 = greedy)")
@@ -80,7 +89,7 @@ class SamplingParams:
             raise ParamError("ignore_eos", f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.seed is not None:
             self.seed = check_int("seed", self.seed, lambda s: True, "an integer or None")
-        stop = self.stop_token_ids
+        stop = () if self.stop_token_ids is None else self.stop_token_ids  # None: vLLM's default, none
         stop = tuple(stop) if isinstance(stop, Iterable) and not isinstance(stop, (str, bytes)) else None
         if stop is None:
             raise ParamError("stop_token_ids", "stop_token_ids must be a sequence of token ids (integers >= 0), got "
@@ -89,7 +98,7 @@ class SamplingParams:
             self.stop_token_ids = tuple(check_token_ids(stop, what="stop_token_ids")) if stop else ()
         except ValueError as e:
             raise ParamError("stop_token_ids", str(e)) from None
-        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        stop = (self.stop,) if isinstance(self.stop, str) else () if self.stop is None else self.stop
         if not isinstance(stop, Iterable) or not all(isinstance(s, str) and s for s in stop):
             raise ParamError("stop", f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
         try:
@@ -104,6 +113,23 @@ class SamplingParams:
         if self.logprobs is not None:
             self.logprobs = check_int("logprobs", self.logprobs, lambda k: 0 <= k <= 20,
                                       "None or an integer from 0 to 20 (the most likely tokens to show)")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ParamError(name, f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ParamError("logit_bias", f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}")
+            bias = {}
+            for token, value in self.logit_bias.items():
+                # subtle: JSON's keys are strings ("50256": 5 in OpenAI's examples); a digit string is the id it spells
+                token = int(token) if isinstance(token, str) and token.isdecimal() else token
+                token = check_int("logit_bias", token, lambda t: t >= 0, "keyed by token ids (integers >= 0)")
+                check_real("logit_bias", value, lambda v: -100 <= v <= 100, "a bias from -100 to 100 per token")
+                bias[token] = float(value)
+            self.logit_bias = bias or None
+        if self.prompt_logprobs is not None:
+            raise ParamError("prompt_logprobs", "prompt_logprobs (the prompt's own log-probabilities) is not computed "
+                             "by minivllm: leave it None; logprobs gives each generated token's")
 
     @property
     def needs_logits(self) -> bool:
@@ -111,4 +137,4 @@ class SamplingParams:
         # subtle: min_p never removes the most likely token, so it leaves greedy alone; min_tokens changes greedy only
         # while the request is short of it, which the step decides (notebook 11's StepInputs.from_batch)
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or self.logprobs is not None)
+                or self.logprobs is not None or self.logit_bias is not None)

@@ -45,7 +45,7 @@ __all__ = ['MAX_REQUEST_BYTES', 'MAX_N', 'MAX_LOGPROBS', 'MAX_COMPLETION_LOGPROB
            'check_limit', 'BodyLimit', 'longest_token_chars', 'PromptEncoder', 'usage', 'LogprobFormat', 'sse',
            'OpenAIReply', 'EngineCollector', 'ServerMetrics', 'RequestTimer', 'generate_all', 'batch_window',
            'Overloaded', 'ClientGone', 'OpenAIServer', 'until_disconnected', 'chat_messages', 'ApiKeyCheck',
-           'AnswerFailures', 'build_app', 'bind_socket', 'serve']
+           'AnswerFailures', 'build_app', 'bind_socket', 'use_chat_template', 'serve']
 
 # %% ../nbs/13c_server.ipynb #ebfbba7b
 class StreamOptions(BaseModel):
@@ -68,6 +68,9 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = 1.0  # vLLM's: 1 = off
     min_p: float = 0.0  # vLLM's: 0 = off
     min_tokens: int = 0  # vLLM's: EOS and stop tokens held back before this many tokens
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends with the stop string that ended it
+    skip_special_tokens: bool = True  # vLLM's: leave special tokens out of the text
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key, so a string) -> bias from -100 to 100
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -77,7 +80,9 @@ class SamplingFields(BaseModel):
                               stop=self.stop or (), stop_token_ids=self.stop_token_ids or (), ignore_eos=self.ignore_eos,
                               n=self.n, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                              min_p=self.min_p, min_tokens=self.min_tokens, max_tokens=max_tokens, logprobs=logprobs)
+                              min_p=self.min_p, min_tokens=self.min_tokens, max_tokens=max_tokens, logprobs=logprobs,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias)
 
 class CompletionRequest(SamplingFields):
     "`POST /v1/completions`: one prompt (text or token ids) or a list of them."
@@ -156,7 +161,7 @@ def http_error_message(exc: HTTPException, method: str, path: str) -> str:
         return f"the body cannot be read as JSON ({type(cause).__name__}: {cause}): send a JSON object"
     if exc.status_code == 404:
         return (f"there is no {path}: this server serves POST /v1/completions, POST /v1/chat/completions, "
-                "GET /v1/models, GET /health and GET /metrics")
+                "GET /v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health and GET /metrics")
     if exc.status_code == 405:
         allowed = (exc.headers or {}).get("Allow")
         return f"{method} is not allowed on {path}" + (f": use {allowed}" if allowed else "")
@@ -304,11 +309,13 @@ class LogprobFormat:
     def text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
-    def completion(self, token_ids: list[int], logprobs: list[dict[int, float]], k: int, offset: int) -> dict:
+    def completion(self, token_ids: list[int], logprobs: list[dict[int, float]], offset: int) -> dict:
         "`{tokens, token_logprobs, top_logprobs, text_offset}`, text offsets counted from `offset`."
         tokens = [self.text(t) for t in token_ids]
         offsets = [offset + sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
-        top = [{self.text(t): lp for t, lp in sorted(d.items(), key=lambda x: -x[1])[:k]} for d in logprobs]
+        # subtle: each position's dict holds the k most likely tokens and the sampled one (notebook 05's
+        # token_logprobs): all of it, as vLLM's completions show; chat's top_logprobs are the k most likely (OpenAI's)
+        top = [{self.text(u): lp for u, lp in sorted(d.items(), key=lambda x: -x[1])} for d in logprobs]
         return {"tokens": tokens, "token_logprobs": [d[t] for t, d in zip(token_ids, logprobs)],
                 "top_logprobs": top, "text_offset": offsets}
 
@@ -342,7 +349,7 @@ class OpenAIReply:
         lp = None
         if c.logprobs is not None:
             lp = (self.logprobs.chat(c.token_ids, c.logprobs, self.k) if self.chat
-                  else self.logprobs.completion(c.token_ids, c.logprobs, self.k, self.chars.get(key, 0)))
+                  else self.logprobs.completion(c.token_ids, c.logprobs, self.chars.get(key, 0)))
         self.chars[key] = self.chars.get(key, 0) + len(c.text or "")
         self.tokens[key] = self.tokens.get(key, 0) + len(c.token_ids)
         if c.finish_reason:
@@ -877,11 +884,22 @@ def bind_socket(host: str, port: int) -> socket.socket:
 SERVE_MAX_NUM_BATCHED_TOKENS = 2048  # tokens per step when serving (vLLM's server default): prompts in chunks, so
                                      # that the first requests' first tokens do not wait for every prompt's prefill
 
+def use_chat_template(tokenizer, template: str) -> None:
+    "Make `template` (Jinja) the tokenizer's chat template, after rendering a conversation with it; `ValueError` if it cannot."
+    if tokenizer is None:
+        raise ValueError("--chat-template needs a tokenizer, and this model has none")
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template, tokenize=False,
+                                      add_generation_prompt=True)
+    except Exception as e:  # Jinja's syntax and rendering errors
+        raise ValueError(f"the chat template cannot render a conversation ({type(e).__name__}: {e})") from None
+    tokenizer.chat_template = template
+
 def serve(model: str | Path | None = None, tensor_parallel_size: int = 1, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, served_model_name: str | None = None, log_level: str = "warning",
           max_request_bytes: int = MAX_REQUEST_BYTES, max_num_batched_tokens: int | None = None,
           max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST, max_queued_tokens: int = MAX_QUEUED_TOKENS,
-          **engine_kwargs) -> None:
+          chat_template: str | None = None, **engine_kwargs) -> None:
     "Serve a model over OpenAI's API until SIGINT or SIGTERM, then close the engine (workers ended, shared memory freed); `SystemExit(1)` if the engine dies."
     check_limit("max_request_bytes", max_request_bytes, "bytes")
     check_limit("max_prompts_per_request", max_prompts_per_request, "prompts")
@@ -890,6 +908,8 @@ def serve(model: str | Path | None = None, tensor_parallel_size: int = 1, host: 
     sock, engine, previous = bind_socket(host, port), None, signal.getsignal(signal.SIGTERM)
     try:
         engine = AsyncLLM(model, tensor_parallel_size, **engine_kwargs)  # the engine core, in its own process
+        if chat_template is not None:
+            use_chat_template(engine.tokenizer, chat_template)
         name = served_model_name or (str(model) if model is not None else "minivllm-default")
         app = build_app(engine, name, api_key, None, max_request_bytes, max_prompts_per_request, max_queued_tokens)
         server = _Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3), engine)

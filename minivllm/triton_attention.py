@@ -10,7 +10,8 @@ import os
 
 import torch
 
-from .kv_cache import HAS_TRITON, AttentionMetadata
+from .attention import HAS_TRITON, TRITON_RUNS_ON_CPU
+from .kv_cache import AttentionMetadata, check_store_args
 
 if HAS_TRITON:
     import triton
@@ -20,8 +21,46 @@ if HAS_TRITON:
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # %% auto #0
-__all__ = ['INTERPRETED', 'LOG2E', 'KEY_TILE', 'DECODE_SPLITS', 'TRITON_DTYPES', 'triton_block_rows', 'decode_splits',
-           'paged_attention_triton']
+__all__ = ['INTERPRETED', 'LOG2E', 'KEY_TILE', 'DECODE_SPLITS', 'TRITON_DTYPES', 'store_kvcache_triton', 'triton_block_rows',
+           'decode_splits', 'paged_attention_triton']
+
+# %% ../nbs/06b_triton_attention.ipynb #a92c21a7
+if HAS_TRITON:
+    @triton.jit
+    def _store_kvcache_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr,
+                              slot_mapping_ptr, D: tl.constexpr, BLOCK: tl.constexpr):
+        "Program `i`: copy token `i`'s `D` key and value numbers into row `slot_mapping[i]` of the caches."
+        token = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_mapping_ptr + token)  # int64: slot * D overflows int32 in a large cache
+        if slot < 0:
+            return
+        offsets = tl.arange(0, BLOCK)
+        mask = offsets < D
+        k = tl.load(key_ptr + token * key_stride + offsets, mask=mask)
+        v = tl.load(value_ptr + token * value_stride + offsets, mask=mask)
+        tl.store(k_cache_ptr + slot * D + offsets, k, mask=mask)
+        tl.store(v_cache_ptr + slot * D + offsets, v, mask=mask)
+
+# %% ../nbs/06b_triton_attention.ipynb #6b1eb82b
+def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+    "`store_kvcache_torch` as a Triton kernel, one program per token (CPU tensors need `TRITON_INTERPRET=1`)."
+    if not HAS_TRITON:
+        raise RuntimeError("store_kvcache_triton needs triton: pip install triton (or use store_kvcache_torch)")
+    if not key.is_cuda and not TRITON_RUNS_ON_CPU:
+        raise RuntimeError(f"triton {triton.__version__} cannot run kernels on CPU tensors (its interpreter would "
+                           "store nothing): use store_kvcache_torch on the CPU, or triton >= 3.2")
+    check_store_args(key, value, k_cache, v_cache, slot_mapping)
+    T, D = key.shape[0], key.shape[1] * key.shape[2]
+    # the kernel reads each token's row as D consecutive numbers: copy keys or values not laid out so
+    key = key if key.stride(-1) == 1 and key.stride(1) == key.shape[2] else key.contiguous()
+    value = value if value.stride(-1) == 1 and value.stride(1) == value.shape[2] else value.contiguous()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.is_contiguous()):
+        raise ValueError("store_kvcache_triton needs contiguous caches and slot mapping")
+    if T == 0:
+        return
+    _store_kvcache_kernel[(T,)](key, key.stride(0), value, value.stride(0), k_cache, v_cache, slot_mapping,
+                                D=D, BLOCK=triton.next_power_of_2(D))
 
 # %% ../nbs/06b_triton_attention.ipynb #37b0042e
 if HAS_TRITON:

@@ -80,13 +80,18 @@ def bad_inputs(tmp_path_factory):
         "chat without template": (["generate", "hi", "--chat"], "has no chat template"),
         "no tokenizer": (["generate", "hi", "--model", str(tiny)], "has no tokenizer"),
         "usage error": (["generate", "hi", "--tp", "two"], "invalid int value"),
+        "serve: unknown option": (["serve", "--chat-tmplate"], "unrecognized arguments: --chat-tmplate (did you mean "
+                                  "--chat-template?) (see minivllm serve --help)"),
+        "serve: no prefix caching": (["serve", "--no-enable-prefix-caching"], "drop --no-enable-prefix-caching"),
+        "serve: missing template": (["serve", "--chat-template", str(root / "none.jinja")], "No such file"),
     }
     taken.close()
 
 
 CASES = ["serve: missing folder", "serve: tp 3 for 4 heads", "serve: port out of range", "serve: port in use",
          "serve: two models", "serve: bad dtype", "missing folder", "hub id not cached", "config not an object", "tp 3 for 4 heads", "negative temperature",
-         "corrupt safetensors", "chat without template", "no tokenizer", "usage error"]
+         "corrupt safetensors", "chat without template", "no tokenizer", "usage error", "serve: unknown option",
+         "serve: no prefix caching", "serve: missing template"]
 CHILD_CASES = ["serve: missing folder", "serve: tp 3 for 4 heads", "serve: port out of range", "serve: port in use",
          "serve: two models", "serve: bad dtype", "missing folder", "config not an object", "tp 3 for 4 heads", "negative temperature", "corrupt safetensors",
                "chat without template"]
@@ -203,7 +208,7 @@ def test_serve_passes_every_option_to_the_server(monkeypatch):
                                   gpu_memory_utilization=0.5,
                                   enforce_eager=True, seed=7, num_threads=1, stream_interval=3, nnodes=1,
                                   master_addr="127.0.0.1",
-                                  master_port=0)
+                                  master_port=0, chat_template=None)
     # vLLM's defaults; the model as --model, or given twice alike; --dtype auto is the checkpoint's
     assert main(["serve", "--model", model, "--tensor-parallel-size", "1"]) == 0
     assert seen["args"][:2] == (DEFAULT_MODEL, 1) and seen["args"][5] == model
@@ -211,9 +216,13 @@ def test_serve_passes_every_option_to_the_server(monkeypatch):
                                   gpu_memory_utilization=0.9,
                                   enforce_eager=False, seed=0, num_threads=None, stream_interval=1, nnodes=1,
                                   master_addr="127.0.0.1",
-                                  master_port=0)
+                                  master_port=0, chat_template=None)
     assert main(["serve", model, "--model", model, "--tp", "2"]) == 0
     assert seen["args"][:2] == (DEFAULT_MODEL, 2)
+    # vLLM's options that scripts pass: a chat template (a file or the template itself), prefix caching, remote code
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert main(["serve", model, "--chat-template", template, "--enable-prefix-caching", "--trust-remote-code"]) == 0
+    assert seen["kwargs"]["chat_template"] == template
 
 
 def test_serve_model_tp_2_serves(chat_ckpt):
@@ -266,13 +275,18 @@ def test_sigint_during_generation_exits_130_and_stops_the_ranks(hub_env):
         assert ranks, "expected a worker rank at --tp 2"
         time.sleep(0.5)  # a few decode steps in
         child.send_signal(signal.SIGINT)
+        interrupted = time.monotonic()
         out, rest = child.communicate(timeout=60)
+        took = time.monotonic() - interrupted
     finally:
         if child.poll() is None:
             child.kill()
             child.wait()
     stderr += rest
     assert child.returncode == 130, stderr[-2000:]
+    # promptly (the worker, left in the step's collectives, is stopped at once), and what was generated is printed
+    assert took < 4, f"Ctrl-C took {took:.1f} s"
+    assert out.startswith("ROMEO.") and len(out) > len("ROMEO.\n"), out
     assert "Traceback" not in stderr and stderr.count("interrupted") == 1, stderr[-2000:]
     assert stderr.splitlines()[-1].split("\r")[-1].endswith("minivllm: interrupted"), stderr[-2000:]
     assert wait_until(lambda: all(gone(pid) for pid in ranks), 10), f"rank processes left: {ranks}"
@@ -330,3 +344,16 @@ def test_bench_help_and_usage_errors_import_no_torch(hub_env):
     assert child.returncode == 0 and "--random-shape" in child.stdout, child.stderr[-2000:]
     assert {"minivllm.bench.throughput", "minivllm.bench.serve", "minivllm.bench.comm"} <= modules, sorted(modules)
     assert not {"torch", "transformers"} & modules, sorted(m for m in modules if m.split(".")[0] in ("torch", "transformers"))
+
+
+def test_generate_takes_a_local_model_as_its_first_argument(capsys, tmp_path, hub_env):
+    "`minivllm generate MODEL PROMPT`: a checkpoint folder first is the model; anything else stays a prompt."
+    from minivllm.cli import split_model_and_prompts
+    model = str(DEFAULT_MODEL)
+    assert split_model_and_prompts(None, [model, "ROMEO."]) == (model, ["ROMEO."])
+    assert split_model_and_prompts(None, ["ROMEO/JULIET", "hi"]) == (None, ["ROMEO/JULIET", "hi"])  # not a checkpoint
+    assert split_model_and_prompts(model, [model, "hi"]) == (model, [model, "hi"])  # --model given: all prompts
+    assert split_model_and_prompts(None, [model]) == (None, [model])  # one argument is the prompt
+    assert main(["generate", model, "ROMEO.", "--max-tokens", "4", "--temperature", "0", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ROMEO.") and model not in out

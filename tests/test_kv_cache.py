@@ -17,11 +17,12 @@ if not torch.cuda.is_available():
 
 import minivllm.attention as attention
 import minivllm.kv_cache as kv
-from minivllm.attention import (Attention, attention_backend, causal_mask, cpu_decode_kernel, gather_kv,
+import minivllm.triton_attention as tri
+from minivllm.attention import (HAS_TRITON, Attention, attention_backend, causal_mask, cpu_decode_kernel, gather_kv,
                                 store_kvcache)
-from minivllm.kv_cache import (DECODE_GROUP_SIZE, AttentionMetadata, HAS_TRITON, allocate_kv_cache, decode_metadata,
-                               kv_cache_bytes_per_block, prefill_metadata, slot_mapping, store_kvcache_torch,
-                               store_kvcache_triton)
+from minivllm.kv_cache import (DECODE_GROUP_SIZE, AttentionMetadata, allocate_kv_cache, decode_metadata,
+                               kv_cache_bytes_per_block, prefill_metadata, slot_mapping, store_kvcache_torch)
+from minivllm.triton_attention import store_kvcache_triton
 from minivllm.testing import (ATTENTION_TOL as TOL, PagedCase, cat_rows, check_prefill_then_decode,
                               tiny_store_inputs)
 
@@ -92,7 +93,7 @@ def test_store_rejects_bad_arguments():
 def test_store_dispatcher_on_cpu_writes_what_the_fallback_writes(monkeypatch):
     "On CPU tensors the dispatcher never calls the Triton kernel (the interpreter is for checking only)."
     def no_triton(*args): raise AssertionError("store_kvcache_triton was called on CPU tensors")
-    monkeypatch.setattr(kv, "store_kvcache_triton", no_triton)
+    monkeypatch.setattr(tri, "store_kvcache_triton", no_triton)
     key, value, k_cache, v_cache, slots = tiny_store_inputs(torch.float32, seed=0)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     store_kvcache(key, value, k_cache, v_cache, slots)
@@ -144,7 +145,7 @@ def interpreted(test):
     "Run `test` (the kernel on CPU tensors) where Triton's interpreter can run it; on a GPU the CUDA test below runs."
     for mark in (needs_triton,
                  pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the CUDA kernel test covers it"),
-                 pytest.mark.skipif(HAS_TRITON and not kv.TRITON_RUNS_ON_CPU,
+                 pytest.mark.skipif(HAS_TRITON and not attention.TRITON_RUNS_ON_CPU,
                                     reason="triton < 3.2: its interpreter cannot run kernels on CPU tensors")):
         test = mark(test)
     return test
@@ -152,8 +153,8 @@ def interpreted(test):
 
 def _check_kernel_runs_here():
     "Fail with the fix if the kernel was defined before TRITON_INTERPRET=1 was set (it then needs a GPU)."
-    if not torch.cuda.is_available() and type(kv._store_kvcache_kernel).__name__ != "InterpretedFunction":
-        pytest.fail("minivllm.kv_cache was imported before TRITON_INTERPRET=1 was set, so its Triton kernel needs a "
+    if not torch.cuda.is_available() and type(tri._store_kvcache_kernel).__name__ != "InterpretedFunction":
+        pytest.fail("minivllm.triton_attention was imported before TRITON_INTERPRET=1 was set, so its Triton kernel needs a "
                     "GPU: set the variable in tests/conftest.py (before any test imports minivllm)")
 
 
@@ -191,7 +192,7 @@ def test_store_triton_follows_the_row_stride_of_a_qkv_view():
 @needs_triton
 def test_store_triton_refuses_cpu_tensors_it_cannot_write(monkeypatch):
     "With a triton whose interpreter cannot write CPU tensors, the kernel refuses them instead of storing nothing."
-    monkeypatch.setattr(kv, "TRITON_RUNS_ON_CPU", False)
+    monkeypatch.setattr(tri, "TRITON_RUNS_ON_CPU", False)
     key, value, k_cache, v_cache, slots = tiny_store_inputs(torch.float32, seed=0)
     with pytest.raises(RuntimeError, match="cannot run kernels on CPU tensors .* use store_kvcache_torch"):
         store_kvcache_triton(key, value, k_cache, v_cache, slots)

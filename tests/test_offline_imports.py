@@ -35,3 +35,18 @@ def test_llm_runs_at_tp_2_without_serving_or_cluster_packages(tmp_path):
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stderr[-3000:]
+
+
+def test_the_cpu_path_never_imports_triton():
+    "Generating on the CPU loads no triton (whose runtime prints pages of `nanobind: leaked` lines at exit)."
+    script = textwrap.dedent('''
+        import sys
+        from minivllm import LLM, SamplingParams
+        with LLM() as llm:
+            llm.generate("ROMEO.", SamplingParams(temperature=0, max_tokens=4))
+        print("triton" in sys.modules)
+    ''')
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0 and run.stdout.strip().endswith("False"), run.stdout + run.stderr[-3000:]
+    assert "nanobind" not in run.stderr

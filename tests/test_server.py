@@ -88,9 +88,21 @@ def test_vllm_sampling_fields_reach_the_engine_on_both_routes(tp2):
                                          extra_body={"min_tokens": 12, "stop_token_ids": [0, 1, 2]})
     assert at_least.usage.completion_tokens == 12  # no EOS or stop token before 12
     for bad, message in (({"min_p": 2.0}, "min_p must be"), ({"repetition_penalty": 0}, "repetition_penalty must be"),
-                         ({"min_tokens": 99}, "min_tokens must be")):
+                         ({"min_tokens": 99}, "min_tokens must be"), ({"logit_bias": {"99999": 1}}, "out of range for a vocabulary"),
+                         ({"logit_bias": {"3": 500}}, "a bias from -100 to 100")):
         with pytest.raises(openai.BadRequestError, match=message):
             c.completions.create(**base, extra_body=bad)
+    # vLLM's include_stop_str_in_output and OpenAI's logit_bias, on both routes
+    cut = plain.text[3:6]
+    kept = c.completions.create(**base, stop=[cut], extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert kept.text == plain.text[:plain.text.index(cut) + len(cut)] and kept.finish_reason == "stop"
+    forced = c.completions.create(**base | {"max_tokens": 3}, logit_bias={"7": 100}, logprobs=0).choices[0].logprobs
+    chat = c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=3, temperature=0, logit_bias={"7": 100},
+                                     logprobs=True).choices[0].logprobs.content
+    assert len({t for t in forced.tokens}) == 1 and [t.token for t in chat] == forced.tokens
+    # completions' top_logprobs hold the sampled token too (vLLM's): with logprobs=0, only it
+    sampled = c.completions.create(**base | {"temperature": 1.0, "seed": 5, "logprobs": 0}).choices[0].logprobs
+    assert all(list(top.values()) == [lp] for top, lp in zip(sampled.top_logprobs, sampled.token_logprobs))
 
 
 def test_tokenize_detokenize_and_version(tp2):

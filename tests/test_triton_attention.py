@@ -12,8 +12,9 @@ import torch
 import transformers
 
 from minivllm import LLM, SamplingParams
-from minivllm.attention import Attention, attention_backend_name, paged_attention_torch
-from minivllm.kv_cache import HAS_TRITON, TRITON_RUNS_ON_CPU, decode_metadata, prefill_metadata
+from minivllm.attention import (HAS_TRITON, TRITON_RUNS_ON_CPU, Attention, attention_backend_name,
+                                paged_attention_torch)
+from minivllm.kv_cache import decode_metadata, prefill_metadata
 from minivllm.testing import ATTENTION_TOL, PagedCase, check_prefill_then_decode, hf_greedy, make_tiny_checkpoint
 
 transformers.logging.set_verbosity_error()

@@ -22,7 +22,7 @@ from ..checkpoints import SHAPES, random_checkpoint
 
 # %% auto #0
 __all__ = ['SAMPLE', 'VLLM_SCRIPT', 'SPINNER', 'Result', 'bench_minivllm', 'bench_transformers', 'bench_vllm', 'agreement',
-           'competing_load', 'format_table', 'add_arguments', 'run']
+           'competing_load', 'format_table', 'bench_setting', 'add_arguments', 'run']
 
 # %% ../../nbs/14_benchmark.ipynb #9dc9e30a
 @dataclass
@@ -158,16 +158,23 @@ def competing_load(n: int):
         for p in procs: p.wait()
 
 # %% ../../nbs/14_benchmark.ipynb #67944d5c
-def format_table(runs: dict[str, list[Result]], baseline: str | None) -> str:
-    "A text table: per configuration, the median tok/s of its runs, their spread, and the speed-up over `baseline`."
+def format_table(runs: dict[str, list[Result]], baseline: str | None, setting: str = "") -> str:
+    "A text table, under a line saying what it measured (`setting`): per configuration, the median tok/s of its runs, their spread (when repeated), and the speed-up over `baseline` (when there is one)."
     median = {k: statistics.median(r.tokens_per_s for r in rs) for k, rs in runs.items()}
-    lines = [f"{'engine':<36} {'tokens':>7} {'runs':>4} {'tok/s':>8} {'spread':>13} {'vs ' + (baseline or '-'):>10}"]
+    spread = any(len(rs) > 1 for rs in runs.values())
+    head = f"{'engine':<36} {'tokens':>7} {'runs':>4} {'tok/s':>8}" + (f" {'spread':>13}" if spread else "")
+    lines = ([setting] if setting else []) + [head + (f" {'vs ' + baseline:>14}" if baseline else "")]
     for label, rs in runs.items():
         speeds = [r.tokens_per_s for r in rs]
-        ratio = f"{median[label] / median[baseline]:.2f}x" if baseline else "-"
-        spread = f"{min(speeds):.0f}-{max(speeds):.0f}" if len(rs) > 1 else ""
-        lines.append(f"{label:<36} {rs[0].output_tokens:>7} {len(rs):>4} {median[label]:>8.0f} {spread:>13} {ratio:>10}")
+        line = f"{label:<36} {rs[0].output_tokens:>7} {len(rs):>4} {median[label]:>8.0f}"
+        line += f" {f'{min(speeds):.0f}-{max(speeds):.0f}' if len(rs) > 1 else '':>13}" if spread else ""
+        lines.append(line + (f" {f'{median[label] / median[baseline]:.2f}x':>14}" if baseline else ""))
     return "\n".join(lines)
+
+def bench_setting(dtype: str, busy: int) -> str:
+    "What a table measured on: the CPU (or GPU), the dtype, the competing load and the load average at the start."
+    load = f", load average {os.getloadavg()[0]:.1f} at the start" if hasattr(os, "getloadavg") else ""
+    return f"on {device_name()}; {dtype}; {busy} busy process{'es' * (busy != 1)} beside it{load}; threads: per row"
 
 def _configs(tps: list[int], threads: list[int | None]) -> list[tuple[int, int | None]]:
     "Every (TP size, threads per rank) pair, without duplicates that the engine would run the same way."
@@ -236,6 +243,7 @@ def run(a: argparse.Namespace) -> int:
     jobs += [("transformers", 1, int(bs)) for bs in a.hf_batch_sizes.split(",") if bs and not a.skip_hf]
     jobs += [("vllm", 1, None)] if a.vllm_python else []
     runs: dict[str, list[Result]] = {}
+    setting = bench_setting(a.dtype, a.busy)  # subtle: the load average before our own runs add to it
     with competing_load(a.busy):
         if a.busy: log(f"{a.busy} CPU-bound process{'es' * (a.busy > 1)} running beside the benchmark")
         for rep in range(a.repeats):
@@ -247,7 +255,7 @@ def run(a: argparse.Namespace) -> int:
                 log(f"run {rep + 1}/{a.repeats}: {r.label}: {r.tokens_per_s:.0f} tok/s")
     hf = [k for k in runs if k.startswith("transformers")]
     best_hf = max(hf, key=lambda k: statistics.median(r.tokens_per_s for r in runs[k])) if hf else None
-    print(format_table(runs, "vLLM-CPU" if a.vllm_python else best_hf))
+    print(format_table(runs, "vLLM-CPU" if a.vllm_python else best_hf, setting))
     if a.vllm_python:
         ours = [k for k in runs if k.startswith("minivllm")]
         print(f"greedy tokens, {ours[0]} against vLLM-CPU: "

@@ -180,8 +180,10 @@ class ShmCommandChannel:
         self._watch.pids = {rank: p.pid for rank, p in o.procs.items()}
         return list(o.procs.values())
 
-    def close(self) -> None:
-        "Stop the workers (exit flag, then `grace_s` seconds, then kill), close the pipes, unlink the segment. Idempotent."
+    def close(self, grace_s: float | None = None) -> None:
+        "Stop the workers (exit flag, then `grace_s` seconds, the channel's own if None, then kill), close the pipes, unlink the segment. Idempotent."
+        if grace_s is not None:
+            self._owner.grace_s = grace_s
         self._finalizer()
 
     def __enter__(self): return self

@@ -35,6 +35,7 @@ class Ranks:
         self.channel: ShmCommandChannel | None = None     # the workers on this machine (none at TP=1)
         self.remote: GlooCommandChannel | None = None     # the ranks on other machines (none with one machine)
         self._store = None  # rank 0's rendezvous store (several machines): its ranks there see it go, and exit
+        self._in_step = False  # a step is being computed (True when an interruption left it unfinished)
 
     @property
     def closed(self) -> bool: return self.runner is None
@@ -43,11 +44,14 @@ class Ranks:
         "Stop the workers (the other machines' first), then leave rank 0's group. Idempotent: every exit path ends here."
         remote, channel, runner = self.remote, self.channel, self.runner
         self.remote = self.channel = self.runner = None
+        # subtle: a step left unfinished (Ctrl-C in rank 0's share) leaves the workers in its collectives, waiting for
+        # rank 0 until their timeout: they cannot exit by themselves, so waiting for them would only delay the end
+        grace_s = 0.0 if self._in_step else None
         try:
             if remote is not None:
                 remote.close()
             if channel is not None:
-                channel.close()
+                channel.close(grace_s)
         finally:
             if runner is not None:
                 runner.exit()
@@ -136,7 +140,10 @@ def run(self: Ranks, batch: ScheduledBatch) -> StepOutput:
     "Compute one scheduled batch on every rank; rank 0's sampled tokens (notebook 11's `run_batch`)."
     if self.runner is None:
         raise RuntimeError("the ranks are closed: start an engine again")
-    return run_batch(batch, self.runner, self.channel, self.remote)
+    self._in_step = True
+    output = run_batch(batch, self.runner, self.channel, self.remote)
+    self._in_step = False
+    return output
 
 @patch
 def failure(self: Ranks, patience_s: float = 5.0) -> RankFailure | None:

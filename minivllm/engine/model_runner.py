@@ -22,7 +22,7 @@ import socket
 import torch
 from fastcore.basics import patch
 
-from ..config import Config, check_positive_int, is_int
+from ..config import Config, check_known_fields, check_positive_int, is_int
 from ..distributed import ProcessGroupCommunicator, default_device
 from ..shm_allreduce import make_communicator
 from .multinode import STALE_S, NodeLayout, node_label, prove_membership
@@ -30,7 +30,7 @@ from .wire import ClusterKey
 from .scheduler import ScheduledBatch, Scheduler, context_lengths, token_positions
 from ..attention import attention_backend_name, cpu_decode_kernel, set_attention_backend
 from ..kv_cache import DECODE_GROUP_SIZE, allocate_kv_cache, decode_metadata, kv_cache_bytes_per_block, prefill_metadata
-from ..layers.common import GREEDY_TEMPERATURE, Sampler, apply_penalties, mask_tokens, token_logprobs
+from ..layers.common import GREEDY_TEMPERATURE, Sampler, add_logit_bias, apply_penalties, mask_tokens, token_logprobs
 from ..models import build_model, load_checkpoint
 
 # %% auto #0
@@ -65,6 +65,11 @@ class EngineArgs:
     # one attention backend for every layer (notebook 06a: ours or vLLM's name); None: MINIVLLM_ATTENTION_BACKEND
     # if set, else the fastest that can run each call
     attention_backend: str | None = None
+
+    def __new__(cls, *args, **kwargs):
+        "Refuse an unknown keyword (of `LLM(...)` too) by naming the ones that exist."
+        check_known_fields(cls, kwargs)
+        return super().__new__(cls)
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
@@ -178,6 +183,7 @@ class SamplingInputs:
     repetition_penalties: list[float] | None = None  # None: no sequence has a repetition penalty
     prompt_token_ids: list[list[int]] | None = None  # the prompts, which the repetition penalty counts too
     masked_token_ids: list[list[int]] | None = None  # per sequence: EOS and stop tokens it may not sample yet (min_tokens)
+    logit_biases: list[dict[int, float] | None] | None = None  # per sequence: its logit_bias; None: no sequence has one
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> SamplingInputs:
@@ -196,14 +202,18 @@ class SamplingInputs:
         if any(p.min_p > 0 for p in params):
             inputs.min_ps = [p.min_p for p in params]
         inputs.masked_token_ids = batch.masked_token_ids
+        if any(p.logit_bias for p in params):
+            inputs.logit_biases = [p.logit_bias for p in params]
         if any(p.logprobs is not None for p in params):
             inputs.num_logprobs = [p.logprobs for p in params]
         return inputs
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        "The logits after the settings that change even greedy's choice: min_tokens' mask, then the penalties (vLLM's order)."
+        "The logits after the settings that change even greedy's choice: min_tokens' mask, the logit biases, then the penalties (vLLM's order)."
         if self.masked_token_ids is not None:
             logits = mask_tokens(logits, self.masked_token_ids)
+        if self.logit_biases is not None:
+            logits = add_logit_bias(logits, self.logit_biases)
         if self.output_token_ids is not None:
             logits = apply_penalties(logits, self.output_token_ids, self.presence_penalties, self.frequency_penalties,
                                      self.repetition_penalties, self.prompt_token_ids)

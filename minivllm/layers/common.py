@@ -20,7 +20,7 @@ from .embed_head import first_max
 # %% auto #0
 __all__ = ['GREEDY_TEMPERATURE', 'RMSNorm', 'SiluAndMul', 'rope_inv_freq', 'checked_cos_sin', 'RotaryEmbedding', 'get_rope',
            'apply_top_k_top_p', 'apply_min_p', 'row_seed', 'exponential_noise', 'check_sampling_inputs', 'Sampler',
-           'apply_penalties', 'mask_tokens', 'token_logprobs']
+           'apply_penalties', 'mask_tokens', 'add_logit_bias', 'token_logprobs']
 
 # %% ../../nbs/05_layers.ipynb #a63fdbfc
 class RMSNorm(nn.Module):
@@ -324,6 +324,16 @@ def mask_tokens(logits: torch.Tensor, token_ids: Sequence[Sequence[int]]) -> tor
     cols = [t for ids in token_ids for t in ids if t < vocab]
     index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
     return logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+
+def add_logit_bias(logits: torch.Tensor, biases: Sequence[dict[int, float] | None]) -> torch.Tensor:
+    "Logits `[B, V]` (float32) with row i's `biases[i]` (token id -> bias) added (ids past the vocabulary left out)."
+    vocab = logits.shape[-1]
+    entries = [(i, t, b) for i, bias in enumerate(biases) if bias for t, b in bias.items() if t < vocab]
+    if not entries:
+        return logits
+    rows, cols, values = zip(*entries)
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    return logits.float().index_put(index, torch.tensor(values, dtype=torch.float32, device=logits.device), accumulate=True)
 
 # %% ../../nbs/05_layers.ipynb #147add1f
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int | None]) -> list[dict[int, float] | None]:
