@@ -18,9 +18,9 @@ from minivllm.config import Config
 from minivllm.cpu_kernels import use_cpu_kernels
 from minivllm.layers.embed_head import first_max
 from minivllm.testing import hf_rope, hf_rotate
-from minivllm.layers.common import (GREEDY_TEMPERATURE, RMSNorm, RotaryEmbedding, Sampler, SiluAndMul, apply_min_p,
-                                    apply_penalties, apply_top_k_top_p, check_sampling_inputs, exponential_noise,
-                                    get_rope, mask_tokens, rope_inv_freq, row_seed)
+from minivllm.layers.common import RMSNorm, RotaryEmbedding, SiluAndMul, get_rope, rope_inv_freq
+from minivllm.sampler import (GREEDY_TEMPERATURE, Sampler, apply_min_p, apply_penalties, apply_top_k_top_p,
+                              check_sampling_inputs, exponential_noise, mask_tokens, row_seed)
 
 transformers.logging.set_verbosity_error()
 

@@ -12,7 +12,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
                                                    TemperatureLogitsWarper)
 
 from minivllm import LLM, SamplingParams
-from minivllm.layers.common import exponential_noise
+from minivllm.sampler import exponential_noise
 from minivllm.testing import make_chat_checkpoint, make_tiny_checkpoint
 
 PROMPTS = [[5, 9, 2, 7, 1], [3] * 21, [8, 6, 4, 2, 250, 17, 33, 12, 90]]

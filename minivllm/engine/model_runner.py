@@ -30,7 +30,7 @@ from .wire import ClusterKey
 from .scheduler import ScheduledBatch, Scheduler, context_lengths, token_positions
 from ..attention import attention_backend_name, cpu_decode_kernel, set_attention_backend
 from ..kv_cache import DECODE_GROUP_SIZE, allocate_kv_cache, decode_metadata, kv_cache_bytes_per_block, prefill_metadata
-from ..layers.common import GREEDY_TEMPERATURE, Sampler, add_logit_bias, apply_penalties, mask_tokens, token_logprobs
+from ..sampler import GREEDY_TEMPERATURE, Sampler, add_logit_bias, apply_penalties, mask_tokens, token_logprobs
 from ..models import build_model, load_checkpoint
 
 # %% auto #0
