@@ -18,7 +18,8 @@ from .distributed import process_state
 from .engine.core import (Abort, AddRequest, EngineCoreGone, EngineCoreProcess, EngineStats, Failed, Ping, Pong,
                                   Rejected, StepOutputs, rebuild_error)
 from .engine.model_runner import EngineArgs
-from .engine.scheduler import SamplingParams, Sequence, SequenceStatus, check_fits
+from .engine.scheduler import SamplingParams, check_fits
+from .engine.sequence import Sequence, SequenceStatus
 from .llm import (CompletionOutput, Request, RequestOutput, _load_tokenizer, check_params_for_model, encode_prompt,
                           logger)
 from fastcore.basics import patch

@@ -23,7 +23,8 @@ from .distributed import RankFailure
 from .engine.block_manager import BlockManager
 from .engine.launch import Ranks
 from .engine.model_runner import EngineArgs, ModelRunner
-from .engine.scheduler import SamplingParams, Scheduler, Sequence
+from .engine.scheduler import SamplingParams, Scheduler
+from .engine.sequence import Sequence
 from .sampling_params import ParamError
 
 if TYPE_CHECKING:  # the channels' types, for the annotations only: the ranks are notebook 11a's business

@@ -23,7 +23,8 @@ from .checkpoints import make_tiny_checkpoint
 from .engine.block_manager import BlockManager
 from .engine.ipc import worker_loop
 from .engine.multinode import GlooCommandChannel, GlooCommandReceiver
-from .engine.scheduler import SamplingParams, ScheduledBatch, Scheduler, SequenceStatus
+from .engine.scheduler import SamplingParams, ScheduledBatch, Scheduler
+from .engine.sequence import SequenceStatus
 from .attention import Attention, store_kvcache
 from .kv_cache import allocate_kv_cache, decode_metadata, prefill_metadata, slot_mapping
 from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding
