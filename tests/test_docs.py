@@ -277,7 +277,9 @@ def page(browser):
 
 def _check_loaded(pg, title: str) -> int:
     "The page has its title and a heading, and every image loaded; returns the number of images."
-    pg.wait_for_load_state("load")
+    # subtle: "networkidle", not only "load": the browser asks for the favicon after the page has loaded, and going
+    # to the next page before it came back aborts that request (a failure that says nothing about the site)
+    pg.wait_for_load_state("networkidle")
     title = "minivllm" if title == "Home" else title  # the theme titles the home page with the site's name
     assert title in pg.title(), f"{pg.url}: title {pg.title()!r} lacks {title!r}"
     assert pg.locator("article h1").first.is_visible(), f"{pg.url}: no heading"
