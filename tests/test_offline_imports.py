@@ -42,7 +42,7 @@ def test_the_cpu_path_never_imports_triton():
     script = textwrap.dedent('''
         import sys
         from minivllm import LLM, SamplingParams
-        with LLM() as llm:
+        with LLM(device="cpu") as llm:  # (on a GPU machine too: the CPU's path)
             llm.generate("ROMEO.", SamplingParams(temperature=0, max_tokens=4))
         print("triton" in sys.modules)
     ''')

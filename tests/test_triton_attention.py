@@ -134,18 +134,24 @@ PROMPTS = [[1, 5, 9, 2, 44, 17, 3], list(range(3, 40)), [7], [200, 11, 12, 13, 1
                                                                  24, 25, 26, 27]]
 
 
+on_cpu_only = pytest.mark.skipif(ON_GPU, reason="the interpreter's engine runs: on a GPU, tools/gpu_check.py compares "
+                                                "with transformers on the same GPU")
+
+
+@on_cpu_only
 @pytest.mark.parametrize("name", TINY)
 def test_engine_through_the_kernel_equals_transformers(tmp_path, name):
     "The whole engine with every layer on the Triton kernel (float32, blocks of 16, a shared prefix): transformers' tokens."
     path = make_tiny_checkpoint(tmp_path / name, **TINY[name])
     prompts = PROMPTS + [PROMPTS[1][:33] + [5, 6]]  # shares two blocks of the second prompt: a cached prefix
-    with LLM(str(path), attention_backend="TRITON_ATTN", max_num_seqs=4, device=DEVICE) as llm:
+    with LLM(str(path), attention_backend="TRITON_ATTN", max_num_seqs=4, device="cpu") as llm:
         assert {m.backend for m in llm.runner.model.modules() if isinstance(m, Attention)} == {"triton"}
         outs = llm.generate(prompts,
                             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 8)
 
 
+@on_cpu_only
 def test_engine_at_tp2_takes_the_backend_from_the_environment(tmp_path, monkeypatch):
     "MINIVLLM_ATTENTION_BACKEND reaches every rank: TP=2 through the kernel equals transformers."
     monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "TRITON_ATTN")
