@@ -19,6 +19,7 @@ import time
 import traceback
 from collections import Counter, deque
 from datetime import timedelta
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import cloudpickle
@@ -28,8 +29,8 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['divide', 'Communicator', 'CountingCommunicator', 'describe_exit', 'RankProcess', 'free_port', 'listen_socket',
-           'RankFailure', 'process_state', 'PeerWatch', 'default_device', 'default_backend', 'store_server',
-           'ProcessGroupCommunicator', 'shutdown_groups', 'run_on_ranks', 'end_processes']
+           'RankFailure', 'process_state', 'PeerWatch', 'NodeLayout', 'default_device', 'default_backend',
+           'store_server', 'ProcessGroupCommunicator', 'shutdown_groups', 'run_on_ranks', 'end_processes']
 
 # %% ../nbs/01_distributed.ipynb #aff03d8a
 def divide(numerator: int, denominator: int, what: str = "value") -> int:
@@ -261,6 +262,39 @@ class PeerWatch:
                                       f"{now - since:.0f} s: resume it (kill -CONT {pid}) or end it")
             else:
                 self._stopped_since.pop(rank, None)
+
+# %% ../nbs/01_distributed.ipynb #5946c2fa
+@dataclass(frozen=True)
+class NodeLayout:
+    "Where the ranks live: `world_size` ranks over `nnodes` machines, the same number on each, in rank order."
+    world_size: int
+    nnodes: int = 1
+
+    def __post_init__(self):
+        for name in ("world_size", "nnodes"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size={self.world_size} does not split evenly over nnodes={self.nnodes} "
+                             "machines: choose a tensor_parallel_size that is a multiple of nnodes")
+
+    @property
+    def ranks_per_node(self) -> int: return self.world_size // self.nnodes
+    def node_of(self, rank: int) -> int: return rank // self.ranks_per_node
+    def local_rank(self, rank: int) -> int: return rank % self.ranks_per_node
+
+    def ranks_of(self, node: int) -> list[int]:
+        "The ranks on machine `node`."
+        if type(node) is not int or not 0 <= node < self.nnodes:
+            raise ValueError(f"node rank {node!r} is outside 0..{self.nnodes - 1} (nnodes={self.nnodes}): "
+                             "number the machines 0..nnodes-1, node 0 being the engine's")
+        k = self.ranks_per_node
+        return list(range(node * k, (node + 1) * k))
+
+    @property
+    def remote_ranks(self) -> list[int]:
+        "The ranks that are not on rank 0's machine (they get their commands by broadcast)."
+        return list(range(self.ranks_per_node, self.world_size))
 
 # %% ../nbs/01_distributed.ipynb #ddfea802
 def default_device(ranks_here: int = 1) -> str:

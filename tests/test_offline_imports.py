@@ -38,12 +38,14 @@ def test_llm_runs_at_tp_2_without_serving_or_cluster_packages(tmp_path):
 
 
 def test_the_cpu_path_never_imports_triton():
-    "Generating on the CPU loads no triton (whose runtime prints pages of `nanobind: leaked` lines at exit)."
+    "Generating on the CPU loads no cluster module and no triton (whose runtime prints pages of `nanobind: leaked` lines at exit)."
     script = textwrap.dedent('''
         import sys
         from minivllm import LLM, SamplingParams
         with LLM(device="cpu") as llm:  # (on a GPU machine too: the CPU's path)
             llm.generate("ROMEO.", SamplingParams(temperature=0, max_tokens=4))
+        # one machine's engine imports neither the cluster's modules (notebooks 09a, 10a) nor triton
+        assert not {"minivllm.engine.multinode", "minivllm.engine.wire"} & set(sys.modules), sorted(sys.modules)
         print("triton" in sys.modules)
     ''')
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

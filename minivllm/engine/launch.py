@@ -10,16 +10,18 @@ import time
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
+from typing import TYPE_CHECKING
 
 from fastcore.basics import patch
 
-from ..distributed import RankFailure, listen_socket, store_server
+from ..distributed import NodeLayout, RankFailure, listen_socket, store_server
 from .ipc import ShmCommandChannel
 from .model_runner import EngineArgs, ModelRunner, StepOutput, run_batch
-from .multinode import (GlooCommandChannel, HeartbeatMonitor, NodeLayout, command_group, node_claimed,
-                                       publish_engine)
 from .scheduler import ScheduledBatch
-from .wire import SECRET_ENV, ClusterKey, new_secret, secret_from_env
+
+if TYPE_CHECKING:  # subtle: several machines (notebooks 09a, 10a) are imported where an engine spans them, only there
+    from minivllm.engine.multinode import GlooCommandChannel, HeartbeatMonitor
+    from minivllm.engine.wire import ClusterKey
 
 # %% auto #0
 __all__ = ['log', 'Ranks']
@@ -79,6 +81,8 @@ def _start(self: Ranks, args: EngineArgs) -> EngineArgs:
     try:
         port = listener.getsockname()[1]
         if args.nnodes > 1:  # the other machines read the engine's arguments from the store, and beat in it
+            from minivllm.engine.multinode import GlooCommandChannel, command_group, node_claimed
+            from minivllm.engine.wire import SECRET_ENV
             args = replace(args, master_port=port)
             store = self._store = store_server(args.master_addr, port, args.tensor_parallel_size, listener,
                                                timedelta(seconds=args.timeout_s))
@@ -114,6 +118,8 @@ def _start(self: Ranks, args: EngineArgs) -> EngineArgs:
 @patch
 def _publish(self: Ranks, store, args: EngineArgs, port: int) -> tuple[ClusterKey, HeartbeatMonitor]:
     "Put the engine's arguments in the store, sealed with the cluster's secret, and say how the other machines join."
+    from minivllm.engine.multinode import HeartbeatMonitor, publish_engine
+    from minivllm.engine.wire import SECRET_ENV, ClusterKey, new_secret, secret_from_env
     secret = secret_from_env()
     given, secret = secret is not None, secret or new_secret()
     key = publish_engine(store, ClusterKey(secret), args)  # sealed: only the secret's holders read it

@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import socket
 
@@ -23,15 +23,16 @@ import torch
 from fastcore.basics import patch
 
 from ..config import Config, check_known_fields, check_positive_int, is_int
-from ..distributed import ProcessGroupCommunicator, default_device
+from ..distributed import NodeLayout, ProcessGroupCommunicator, default_device
 from ..shm_allreduce import make_communicator
-from .multinode import STALE_S, NodeLayout, node_label, prove_membership
-from .wire import ClusterKey
 from .scheduler import ScheduledBatch, Scheduler, context_lengths, token_positions
 from ..attention import attention_backend_name, cpu_decode_kernel, set_attention_backend
 from ..kv_cache import DECODE_GROUP_SIZE, allocate_kv_cache, decode_metadata, kv_cache_bytes_per_block, prefill_metadata
 from ..sampler import GREEDY_TEMPERATURE, Sampler, add_logit_bias, apply_penalties, mask_tokens, token_logprobs
 from ..models import build_model, load_checkpoint
+
+if TYPE_CHECKING:  # subtle: several machines (notebooks 09a, 10a) are imported where they are used, never by one machine's engine
+    from minivllm.engine.wire import ClusterKey
 
 # %% auto #0
 __all__ = ['MIN_STREAM_TOKENS', 'EngineArgs', 'StepInputs', 'SamplingInputs', 'StepOutput', 'available_memory_bytes',
@@ -385,6 +386,7 @@ class ModelRunner:
                                      peers_alive=peers_alive, slot_bytes=self._slot_bytes(),
                                      **({"listener": listener} if listener is not None else {}))
         # several machines: no shared memory between them, so every collective goes through the process groups
+        from minivllm.engine.multinode import STALE_S, node_label, prove_membership
         if self.cluster_key is None:
             raise ValueError("ranks on several machines need the cluster's key (cluster_key=), which every rank proves")
         comm = ProcessGroupCommunicator.connect(

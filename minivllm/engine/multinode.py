@@ -13,7 +13,7 @@ import struct
 import threading
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import timedelta
 from typing import Callable
 
@@ -21,49 +21,17 @@ import torch
 import torch.distributed as dist
 from fastcore.basics import patch
 
-from ..distributed import RankFailure, RankProcess, end_processes, shutdown_groups
+from ..distributed import NodeLayout, RankFailure, RankProcess, end_processes, shutdown_groups  # noqa: F401 (NodeLayout: importable here too)
 from .ipc import OwnerDied, worker_loop
 from .wire import SECRET_ENV, ClusterKey, CommandCodec, Untrusted, fields_from_wire, fields_to_wire
 
 # %% auto #0
-__all__ = ['HEARTBEAT_S', 'STALE_S', 'log', 'INLINE_BYTES', 'MAX_COMMAND_BYTES', 'ENGINE_KEY', 'ENGINE_GONE', 'NodeLayout',
-           'node_label', 'address_towards', 'Heartbeat', 'HeartbeatMonitor', 'prove_membership', 'command_group',
+__all__ = ['HEARTBEAT_S', 'STALE_S', 'log', 'INLINE_BYTES', 'MAX_COMMAND_BYTES', 'ENGINE_KEY', 'ENGINE_GONE', 'node_label',
+           'address_towards', 'Heartbeat', 'HeartbeatMonitor', 'prove_membership', 'command_group',
            'GlooCommandChannel', 'GlooCommandReceiver', 'publish_engine', 'read_engine', 'claim_node', 'node_claimed',
            'engine_answers', 'run_node']
 
 # %% ../../nbs/10a_multi_node.ipynb #0b3f5332
-@dataclass(frozen=True)
-class NodeLayout:
-    "Where the ranks live: `world_size` ranks over `nnodes` machines, the same number on each, in rank order."
-    world_size: int
-    nnodes: int = 1
-
-    def __post_init__(self):
-        for name in ("world_size", "nnodes"):
-            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.world_size % self.nnodes:
-            raise ValueError(f"tensor_parallel_size={self.world_size} does not split evenly over nnodes={self.nnodes} "
-                             "machines: choose a tensor_parallel_size that is a multiple of nnodes")
-
-    @property
-    def ranks_per_node(self) -> int: return self.world_size // self.nnodes
-    def node_of(self, rank: int) -> int: return rank // self.ranks_per_node
-    def local_rank(self, rank: int) -> int: return rank % self.ranks_per_node
-
-    def ranks_of(self, node: int) -> list[int]:
-        "The ranks on machine `node`."
-        if type(node) is not int or not 0 <= node < self.nnodes:
-            raise ValueError(f"node rank {node!r} is outside 0..{self.nnodes - 1} (nnodes={self.nnodes}): "
-                             "number the machines 0..nnodes-1, node 0 being the engine's")
-        k = self.ranks_per_node
-        return list(range(node * k, (node + 1) * k))
-
-    @property
-    def remote_ranks(self) -> list[int]:
-        "The ranks that are not on rank 0's machine (they get their commands by broadcast)."
-        return list(range(self.ranks_per_node, self.world_size))
-
 def node_label(node: int) -> str:
     "How messages name machine `node` (this machine's host name with it). Example: `node_label(1)` -> `'node 1 (gpu-b)'`."
     return f"node {node} ({socket.gethostname()})"
