@@ -225,7 +225,10 @@ def decode_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _check_triton_args(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-    "Raise `ValueError` unless the kernel can read these: dtypes, head sizes, heads, last dimensions in a row."
+    "Raise `ValueError` unless the kernel can read these: dtypes, head sizes, heads, last dimensions in a row, a device it runs on."
+    if q.device.type == "cpu" and not INTERPRETED:
+        raise ValueError("the Triton attention kernel runs on CPU tensors only in Triton's interpreter: set "
+                         "TRITON_INTERPRET=1 before minivllm is imported (slow, for tests), or use another backend")
     if q.dtype not in TRITON_DTYPES or keys.dtype != q.dtype or values.dtype != q.dtype:
         raise ValueError(f"the Triton attention kernel takes float16, bfloat16 or float32, q and keys alike; got "
                          f"{q.dtype}, {keys.dtype}, {values.dtype}")

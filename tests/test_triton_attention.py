@@ -108,6 +108,14 @@ def test_kernel_refuses_what_it_cannot_read():
         kernel()(q, q[:, :2], q[:, :2], None, None, decode_metadata([[0]] * 3, [1] * 3, 16, DEVICE), 0.1)
 
 
+def test_kernel_on_cpu_tensors_without_the_interpreter_says_how(monkeypatch):
+    import minivllm.triton_attention as tri
+    monkeypatch.setattr(tri, "INTERPRETED", False)
+    q = torch.randn(3, 4, 64)
+    with pytest.raises(ValueError, match="set TRITON_INTERPRET=1 before minivllm is imported"):
+        tri.paged_attention_triton(q, q[:, :2], q[:, :2], None, None, prefill_metadata([[0]], [0], [3], 16), 0.1)
+
+
 def test_backend_names_ours_and_vllms():
     assert [attention_backend_name(n) for n in ("TRITON_ATTN", "triton", "FLASH_ATTN", "TORCH_SDPA", None)] == \
         ["triton", "triton", "flash", "sdpa", None]
