@@ -34,6 +34,10 @@ setuptools.setup(
     author_email=cfg['author_email'],
     keywords=cfg['keywords'],
     packages=setuptools.find_packages(include=['minivllm', 'minivllm.*']),
+    # subtle: the packages live at the clone's root, said explicitly so that `pip install -e .` puts the clone on
+    # sys.path (a .pth line) instead of setuptools' import hook, which a folder named minivllm beside a user's
+    # script (the clone itself, seen from its parent folder) shadows as an empty namespace package.
+    package_dir={'': '.'},
     include_package_data=True,
     package_data={'minivllm': ['default_model/*']},  # the small model `LLM()` uses when given no path
     install_requires=reqs('requirements'),

@@ -52,3 +52,12 @@ def test_the_cpu_path_never_imports_triton():
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0 and run.stdout.strip().endswith("False"), run.stdout + run.stderr[-3000:]
     assert "nanobind" not in run.stderr
+
+
+def test_a_folder_named_minivllm_beside_a_script_does_not_hide_the_package(tmp_path):
+    "A script in the folder that holds the clone (a folder named minivllm without `__init__.py`) imports the package."
+    (tmp_path / "minivllm").mkdir()  # the clone's folder as its parent folder sees it: a namespace package
+    script = "from minivllm import LLM, SamplingParams; import minivllm; print(minivllm.__file__)"
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().endswith("__init__.py")
