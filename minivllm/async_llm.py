@@ -38,7 +38,8 @@ def merge_deltas(old: RequestOutput, new: RequestOutput) -> RequestOutput:
             o.token_ids + c.token_ids, c.finish_reason or o.finish_reason,
             None if o.logprobs is None and c.logprobs is None else (o.logprobs or []) + (c.logprobs or []))
     # subtle: the older time stays: it is when the engine produced the first of these tokens (time to first token)
-    return replace(new, outputs=[joined[i] for i in sorted(joined)], time=old.time)
+    return replace(new, outputs=[joined[i] for i in sorted(joined)], time=old.time,
+                   prompt_logprobs=old.prompt_logprobs or new.prompt_logprobs)
 
 class _Stream:
     "One request's outputs in its caller's event loop: the deltas not read yet (merged into one), then maybe an error."
@@ -248,6 +249,8 @@ def _deliver(self: AsyncLLM, outputs: StepOutputs) -> None:
             seq.token_ids.extend(d.token_ids)
             if d.logprobs is not None and seq.logprobs is not None:
                 seq.logprobs.extend(d.logprobs)
+            if d.prompt_logprobs is not None:
+                seq.prompt_logprobs = d.prompt_logprobs
             seq.num_cached_tokens = d.num_cached_tokens
             if d.finish_reason is not None:
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, d.finish_reason

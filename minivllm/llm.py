@@ -55,6 +55,9 @@ class RequestOutput:
     finished: bool  # every completion of the prompt has finished
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     time: float = 0.0  # time.perf_counter() when the engine produced this output
+    # per prompt token, when prompt_logprobs are asked: {token id: log-probability} given the tokens before it
+    # (None for the first); in a stream, with the first delta
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     # the first completion's fields, for the usual n = 1
     @property
@@ -160,6 +163,7 @@ class Request:
         self.seen = [0] * len(seqs)  # per sequence: completion tokens already added to its text
         self.sent_tokens, self.sent_chars = [0] * len(seqs), [0] * len(seqs)
         self.sent_finish = [False] * len(seqs)
+        self.sent_prompt_logprobs = False
 
     @property
     def is_finished(self) -> bool: return all(s.is_finished for s in self.seqs)
@@ -196,7 +200,12 @@ class Request:
         "Everything so far: every completion whole."
         return RequestOutput(self.request_id, self.prompt_text, self.seqs[0].prompt_token_ids,
                              [self._completion(i, 0, 0) for i in range(len(self.seqs))], self.is_finished,
-                             self.seqs[0].num_cached_tokens, time.perf_counter())
+                             self.seqs[0].num_cached_tokens, time.perf_counter(), self._prompt_logprobs())
+
+    def _prompt_logprobs(self) -> list[dict[int, float] | None] | None:
+        "The prompt's log-probabilities once all computed (the first sample computes them), else None."
+        record = self.seqs[0].prompt_logprobs
+        return list(record) if record is not None and len(record) == self.seqs[0].num_prompt_tokens else None
 
     def delta(self) -> RequestOutput | None:
         "What is new since the last delta: the completions with new text, tokens or an end (None if nothing)."
@@ -211,8 +220,10 @@ class Request:
                 news.append(c)
         if not news:
             return None
+        prompt_logprobs = None if self.sent_prompt_logprobs else self._prompt_logprobs()
+        self.sent_prompt_logprobs |= prompt_logprobs is not None
         return RequestOutput(self.request_id, self.prompt_text, self.seqs[0].prompt_token_ids, news, self.is_finished,
-                             self.seqs[0].num_cached_tokens, time.perf_counter())
+                             self.seqs[0].num_cached_tokens, time.perf_counter(), prompt_logprobs)
 
 # %% ../nbs/13_llm.ipynb #2c587a97
 class LLM:

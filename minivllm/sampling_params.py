@@ -66,7 +66,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # True: the text ends with the stop string that ended it
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (-100 to 100)
-    prompt_logprobs: int | None = None  # vLLM's log-probabilities of the prompt's tokens: not computed here (None only)
+    prompt_logprobs: int | None = None  # k: each prompt token's log-probability, and the k most likely there (0 to 20)
 
     def __new__(cls, *args, **kwargs):
         "Refuse an unknown keyword by naming the ones that exist."
@@ -128,8 +128,8 @@ class SamplingParams:
                 bias[token] = float(value)
             self.logit_bias = bias or None
         if self.prompt_logprobs is not None:
-            raise ParamError("prompt_logprobs", "prompt_logprobs (the prompt's own log-probabilities) is not computed "
-                             "by minivllm: leave it None; logprobs gives each generated token's")
+            self.prompt_logprobs = check_int("prompt_logprobs", self.prompt_logprobs, lambda k: 0 <= k <= 20,
+                                             "None or an integer from 0 to 20 (the most likely tokens to show)")
 
     @property
     def needs_logits(self) -> bool:

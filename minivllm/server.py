@@ -71,6 +71,7 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False  # vLLM's: the text ends with the stop string that ended it
     skip_special_tokens: bool = True  # vLLM's: leave special tokens out of the text
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key, so a string) -> bias from -100 to 100
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-probability and the k most likely (0 to 20)
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -82,7 +83,8 @@ class SamplingFields(BaseModel):
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                               min_p=self.min_p, min_tokens=self.min_tokens, max_tokens=max_tokens, logprobs=logprobs,
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias)
+                              skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
+                              prompt_logprobs=self.prompt_logprobs)
 
 class CompletionRequest(SamplingFields):
     "`POST /v1/completions`: one prompt (text or token ids) or a list of them."
@@ -319,6 +321,15 @@ class LogprobFormat:
         return {"tokens": tokens, "token_logprobs": [d[t] for t, d in zip(token_ids, logprobs)],
                 "top_logprobs": top, "text_offset": offsets}
 
+    def prompt(self, token_ids: list[int], logprobs: list[dict[int, float] | None], k: int) -> list[dict | None]:
+        "vLLM's prompt_logprobs: None, then per prompt token `{token id: {logprob, rank, decoded_token}}`."
+        def records(t: int, d: dict[int, float]) -> dict:
+            ranked = sorted(d.items(), key=lambda x: -x[1])
+            # subtle: the k most likely rank 1..k; the prompt token beside them (a dict of k + 1) ranks below k, unmeasured
+            return {str(u): {"logprob": lp, "rank": r + 1 if r < k or u != t else None, "decoded_token": self.text(u)}
+                    for r, (u, lp) in enumerate(ranked)}
+        return [None] + [records(t, d) for t, d in zip(token_ids[1:], logprobs[1:])]
+
     def chat(self, token_ids: list[int], logprobs: list[dict[int, float]], k: int) -> dict:
         "`{content: [{token, logprob, bytes, top_logprobs}]}`."
         def record(t, lp): s = self.text(t); return {"token": s, "logprob": lp, "bytes": list(s.encode())}
@@ -336,6 +347,7 @@ class OpenAIReply:
     def __init__(self, model_name: str, chat: bool, params: SamplingParams, num_prompts: int, logprobs: LogprobFormat):
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.chat, self.n, self.k, self.num_prompts, self.logprobs = chat, params.n, params.logprobs, num_prompts, logprobs
+        self.prompt_k = params.prompt_logprobs
         self.head = {"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": int(time.time()), "model": model_name}
         self.chars: dict[tuple, int] = {}  # per (prompt, completion): text given so far (completions' text offsets)
@@ -360,16 +372,22 @@ class OpenAIReply:
     def _usage(self) -> dict:
         return usage(sum(self.prompt_tokens.values()), sum(self.tokens.values()))
 
+    def _prompt_logprobs(self, delta: RequestOutput) -> dict:
+        "`{prompt_logprobs: ...}` where the request asked for them and this output carries them, else nothing."
+        if self.prompt_k is None or delta.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": self.logprobs.prompt(delta.prompt_token_ids, delta.prompt_logprobs, self.prompt_k)}
+
     def chunk(self, i: int, delta: RequestOutput) -> bytes:
-        "The event of one delta: a choice for each completion with news."
+        "The event of one delta: a choice for each completion with news (the prompt's logprobs with the first, as vLLM's)."
         self.prompt_tokens[i] = len(delta.prompt_token_ids)
-        choices = []
+        choices, prompt = [], self._prompt_logprobs(delta)
         for c in delta.outputs:
             choice = self._choice(i, c)
             if self.chat:
                 choice["delta"] = {"content": c.text} if c.text else {}
-            choices.append(choice)
-        return sse(self.head | {"choices": choices})
+            choices.append(choice if self.chat else choice | prompt)
+        return sse(self.head | {"choices": choices} | (prompt if self.chat else {}))
 
     def role_chunk(self) -> bytes:
         "Chat's first event: each choice's role."
@@ -383,8 +401,10 @@ class OpenAIReply:
     def whole(self, deltas: list[tuple[int, RequestOutput]]) -> dict:
         "The whole answer: every completion's deltas joined into one choice."
         parts: dict[tuple, CompletionOutput] = {}
+        prompts: dict[int, dict] = {}  # per prompt: {prompt_logprobs: ...} where asked
         for i, delta in deltas:
             self.prompt_tokens[i] = len(delta.prompt_token_ids)
+            prompts[i] = prompts.get(i) or self._prompt_logprobs(delta)
             for c in delta.outputs:
                 p = parts.setdefault((i, c.index), CompletionOutput(c.index, "", [], None, None))
                 p.text += c.text or ""
@@ -394,9 +414,10 @@ class OpenAIReply:
         choices = []
         for (i, _), c in sorted(parts.items()):
             choice = self._choice(i, c)
-            choices.append(choice | {"message": {"role": "assistant", "content": c.text}} if self.chat else choice)
+            choices.append(choice | {"message": {"role": "assistant", "content": c.text}} if self.chat else choice | prompts[i])
         kind = "chat.completion" if self.chat else "text_completion"
-        return self.head | {"object": kind, "choices": choices, "usage": self._usage()}
+        # vLLM's chat answer holds its one prompt's logprobs beside the choices; completions', each choice
+        return self.head | {"object": kind, "choices": choices, "usage": self._usage()} | (prompts.get(0, {}) if self.chat else {})
 
 # %% ../nbs/13c_server.ipynb #f4b5e8cd
 class EngineCollector:

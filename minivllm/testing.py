@@ -299,6 +299,10 @@ class FakeRunner:
             sampled.append(next_token(context))
         return sampled
 
+    def prompt_logprobs(self, batch: ScheduledBatch) -> list[dict[int, float]]:
+        "A stand-in log-probability per row of `batch.prompt_logprob_rows`: `{prompt token: -its position}`."
+        return [{batch.seqs[i].token_ids[p]: -float(p)} for _, i, p in batch.prompt_logprob_rows]
+
 def reference_tokens(prompt: list[int], params: SamplingParams, eos_token_ids=(), max_model_len: int = 10**9) -> list[int]:
     "What one request alone should generate: `next_token` of the whole context, step by step, no cache at all."
     tokens = list(prompt)
@@ -355,7 +359,7 @@ def run_scheduler(scheduler: Scheduler, requests: list[tuple[list[int], Sampling
         batch = scheduler.schedule()
         check_batch(scheduler, batch)
         if trace is not None: trace.append(step_states(scheduler, batch))
-        finished = scheduler.postprocess(batch, runner.run(batch))
+        finished = scheduler.postprocess(batch, runner.run(batch), None, runner.prompt_logprobs(batch))
         assert all(s.is_finished and s.block_table == [] and s not in scheduler.running for s in finished)
         batches.append(batch)
         assert step < 10_000, "the scheduler does not make progress"

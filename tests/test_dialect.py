@@ -3,8 +3,11 @@ unknown keyword names the ones that exist. Run on the packaged model (it has a t
 from __future__ import annotations
 
 import pytest
+import torch
+import transformers
 
 from minivllm import LLM, SamplingParams
+from minivllm.llm import DEFAULT_MODEL
 from minivllm.sampling_params import ParamError
 
 
@@ -29,9 +32,70 @@ def test_an_unknown_keyword_names_the_ones_that_exist():
         SamplingParams(best_of=2, guided_decoding=None)
 
 
-def test_prompt_logprobs_is_refused_with_the_reason():
-    with pytest.raises(ParamError, match="prompt_logprobs .* is not computed by minivllm") as e:
-        SamplingParams(prompt_logprobs=1)
+PROMPT = "KING HENRY.\nMy lords, we have heard the news from France, and the news is bad: the Dauphin is coming."
+
+
+@pytest.fixture(scope="module")
+def reference_logprobs():
+    "transformers' log-probabilities at every position of PROMPT (row p: the token at p + 1), in float32."
+    tok = transformers.AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32)
+    ids = tok(PROMPT).input_ids
+    with torch.no_grad():
+        return ids, torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+@pytest.fixture(scope="module")
+def llm32():
+    "The packaged model in float32, to compare with transformers' float32 values."
+    with LLM(dtype="float32") as engine:
+        yield engine
+
+
+def check_prompt_logprobs(got, reference, k):
+    "vLLM's layout: None first, then each prompt token's log-probability and the k most likely, equal to transformers'."
+    ids, ref = reference
+    assert len(got) == len(ids) and got[0] is None
+    for p in range(1, len(ids)):
+        row, top = ref[p - 1], ref[p - 1].topk(k).indices.tolist()
+        assert set(got[p]) == set(top) | {ids[p]}, p
+        torch.testing.assert_close(torch.tensor([got[p][t] for t in top + [ids[p]]]), row[top + [ids[p]]],
+                                   atol=2e-4, rtol=1e-4)
+
+
+def test_prompt_logprobs_equal_transformers_even_beside_a_cached_prefix(llm32, reference_logprobs):
+    llm = llm32
+    "A prompt already in the prefix cache is computed again for its log-probabilities; greedy and sampled alike."
+    llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # now in the prefix cache
+    greedy_out, sampled = llm.generate([PROMPT, PROMPT], [SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3),
+                                                          SamplingParams(temperature=0.8, max_tokens=2, prompt_logprobs=0, seed=1)],
+                                       use_tqdm=False)
+    check_prompt_logprobs(greedy_out.prompt_logprobs, reference_logprobs, 3)
+    check_prompt_logprobs(sampled.prompt_logprobs, reference_logprobs, 0)
+    assert greedy_out.num_cached_tokens == 0 and greedy(llm, PROMPT, max_tokens=2).token_ids == greedy_out.token_ids
+    assert llm.generate(PROMPT, SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_logprobs is None
+
+
+def test_prompt_logprobs_with_n_samples_and_in_a_stream(llm32, reference_logprobs):
+    llm = llm32
+    "n samples share one record (vLLM gives it per request); a stream gives it with its first delta."
+    out = llm.generate(PROMPT, SamplingParams(n=2, temperature=0.8, max_tokens=3, prompt_logprobs=1), use_tqdm=False)[0]
+    check_prompt_logprobs(out.prompt_logprobs, reference_logprobs, 1)
+    deltas = list(llm.stream(PROMPT, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1)))
+    check_prompt_logprobs(deltas[0].prompt_logprobs, reference_logprobs, 1)
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
+
+
+def test_prompt_logprobs_in_chunks_at_tp_2(reference_logprobs):
+    "A prompt prefilled in chunks of 8 tokens, over two ranks (the LM head is collective): the same values."
+    with LLM(dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=8, max_num_seqs=8) as engine:
+        out = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
+    check_prompt_logprobs(out.prompt_logprobs, reference_logprobs, 2)
+
+
+def test_prompt_logprobs_out_of_range_is_refused():
+    with pytest.raises(ParamError, match="prompt_logprobs must be None or an integer from 0 to 20") as e:
+        SamplingParams(prompt_logprobs=21)
     assert e.value.param == "prompt_logprobs"
 
 

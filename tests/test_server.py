@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.testing import ServerProcess, gone, rank_processes, server_metrics, shm_segments, wait_until
@@ -103,6 +104,32 @@ def test_vllm_sampling_fields_reach_the_engine_on_both_routes(tp2):
     # completions' top_logprobs hold the sampled token too (vLLM's): with logprobs=0, only it
     sampled = c.completions.create(**base | {"temperature": 1.0, "seed": 5, "logprobs": 0}).choices[0].logprobs
     assert all(list(top.values()) == [lp] for top, lp in zip(sampled.top_logprobs, sampled.token_logprobs))
+
+
+def test_prompt_logprobs_in_vllms_layout_equal_the_offline_engines(tp2):
+    "vLLM's prompt_logprobs: completions' on each choice (whole, or with the first chunk), chat's beside the choices."
+    c = client(tp2)
+    whole = c.completions.create(model="tiny", prompt="Hello there, friend", max_tokens=2, temperature=0,
+                                 extra_body={"prompt_logprobs": 2}).choices[0].model_extra["prompt_logprobs"]
+    chunks = list(c.completions.create(model="tiny", prompt="Hello there, friend", max_tokens=2, temperature=0,
+                                       stream=True, extra_body={"prompt_logprobs": 2}))
+    assert chunks[0].choices[0].model_extra["prompt_logprobs"] == whole
+    assert all("prompt_logprobs" not in ch.choices[0].model_extra for ch in chunks[1:] if ch.choices)
+    with LLM(tp2.model, dtype="float32") as llm:
+        offline = llm.generate("Hello there, friend", SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
+                               use_tqdm=False)[0]
+    ids = offline.prompt_token_ids
+    assert whole[0] is None and len(whole) == len(ids)
+    for t, served, d in zip(ids[1:], whole[1:], offline.prompt_logprobs[1:]):
+        assert set(served) == {str(u) for u in d} and str(t) in served
+        torch.testing.assert_close([served[str(u)]["logprob"] for u in d], list(d.values()), atol=1e-4, rtol=1e-4)
+        ranks = sorted(r["rank"] for u, r in served.items() if r["rank"] is not None)
+        assert ranks == [1, 2] and (served[str(t)]["rank"] is not None or len(served) == 3)
+    chat = c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2, temperature=0,
+                                     extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+    plain = c.completions.create(model="tiny", prompt="Hello there, friend", max_tokens=2, temperature=0).choices[0]
+    assert "prompt_logprobs" not in plain.model_extra
 
 
 def test_tokenize_detokenize_and_version(tp2):
@@ -215,6 +242,7 @@ def test_clients_that_drop_mid_stream_leave_no_blocks(tp2):
     ({"model": "tiny", "prompt": [1, 99999]}, 400, "out of range for a vocabulary of"),
     ({"model": "tiny", "prompt": "Hi", "top_p": 0}, 400, "top_p must be in (0, 1]"),
     ({"model": "tiny", "prompt": "Hi", "logprobs": 9}, 400, "logprobs must be from 0 to 5"),
+    ({"model": "tiny", "prompt": "Hi", "prompt_logprobs": 21}, 400, "prompt_logprobs must be None or an integer from 0 to 20"),
     ({"model": "gpt-5", "prompt": "Hi"}, 400, "is not served here"),
     ({"model": "tiny", "prompt": "Hi", "n": 129}, 400, "n must be at most 128"),
     ({"model": "tiny", "prompt": "Hi", "n": 10000}, 400, "n must be at most 128"),

@@ -123,11 +123,11 @@ def can_allocate(self: BlockManager, token_ids: Sequence[int] | int) -> bool:
     return self._free_blocks_needed(token_ids)[0] <= self.num_free_blocks
 
 @patch
-def allocate(self: BlockManager, token_ids: Sequence[int]) -> tuple[list[int], int]:
-    "`(block_table, num_cached_tokens)` for a sequence of `token_ids`: cached prefix blocks reused, fresh blocks for the rest."
+def allocate(self: BlockManager, token_ids: Sequence[int], use_prefix_cache: bool = True) -> tuple[list[int], int]:
+    "`(block_table, num_cached_tokens)` for a sequence of `token_ids`: cached prefix blocks reused (unless told not to), fresh blocks for the rest."
     if len(token_ids) == 0:
         raise ValueError("cannot allocate blocks for an empty sequence")
-    need, hits = self._free_blocks_needed(token_ids)
+    need, hits = self._free_blocks_needed(token_ids) if use_prefix_cache else (self.blocks_for(len(token_ids)), [])
     if need > self.num_free_blocks:
         raise OutOfBlocksError(
             f"{len(token_ids)} tokens need {need} free blocks of {self.block_size} tokens ({len(hits)} more are "
@@ -137,8 +137,9 @@ def allocate(self: BlockManager, token_ids: Sequence[int]) -> tuple[list[int], i
     for block_id in hits:
         self._hold(block_id)
     table = hits + [self._take_fresh() for _ in range(self.blocks_for(len(token_ids)) - len(hits))]
-    self.prefix_cache_query_tokens += len(token_ids)
-    self.prefix_cache_hit_blocks += len(hits)
+    if use_prefix_cache:
+        self.prefix_cache_query_tokens += len(token_ids)
+        self.prefix_cache_hit_blocks += len(hits)
     return table, len(hits) * self.block_size
 
 # %% ../../nbs/08_block_manager.ipynb #cb94c514

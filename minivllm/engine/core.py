@@ -76,6 +76,7 @@ class CompletionDelta(msgspec.Struct, array_like=True):
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # None while it runs
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # the prompt's, when asked: with the first delta
 
 class StepRecord(msgspec.Struct, array_like=True):
     "When one step ran (`time.perf_counter()`, the same clock in every process of the machine), its kind and requests."
@@ -214,8 +215,9 @@ def step(self: EngineCore) -> StepOutputs:
             continue
         self.sent[seq_id] = sent + len(new)
         logprobs = seq.logprobs[sent:] if seq.logprobs is not None else None
+        prompt_logprobs = seq.prompt_logprobs if sent == 0 and new and seq.prompt_logprobs is not None else None
         deltas.append(CompletionDelta(request_id, i, new, logprobs, seq.finish_reason if seq.is_finished else None,
-                                      seq.num_cached_tokens))
+                                      seq.num_cached_tokens, prompt_logprobs))
         if seq.is_finished:
             self._forget(seq_id)
     c = self.counts

@@ -35,10 +35,10 @@ if TYPE_CHECKING:  # subtle: several machines (notebooks 09a, 10a) are imported 
     from minivllm.engine.wire import ClusterKey
 
 # %% auto #0
-__all__ = ['MIN_STREAM_TOKENS', 'EngineArgs', 'StepInputs', 'SamplingInputs', 'StepOutput', 'available_memory_bytes',
-           'cpu_kv_cache_budget', 'cuda_kv_cache_budget', 'blocks_for_budget', 'threads_for_load', 'cpu_ticks',
-           'process_ticks', 'ThreadPolicy', 'prefill_streams', 'split_step', 'ModelRunner', 'run_batch',
-           'run_until_done']
+__all__ = ['MIN_STREAM_TOKENS', 'PROMPT_LOGPROB_ROWS', 'EngineArgs', 'StepInputs', 'SamplingInputs', 'StepOutput',
+           'available_memory_bytes', 'cpu_kv_cache_budget', 'cuda_kv_cache_budget', 'blocks_for_budget',
+           'threads_for_load', 'cpu_ticks', 'process_ticks', 'ThreadPolicy', 'prefill_streams', 'split_step',
+           'ModelRunner', 'run_batch', 'run_until_done']
 
 # %% ../../nbs/11_model_runner.ipynb #a6f39f7a
 @dataclass
@@ -129,6 +129,7 @@ class StepInputs:
     block_tables: list[list[int]]  # per sequence: its KV-cache blocks
     greedy: bool = False  # every sequence is plain greedy: rank 0 needs each row's argmax, not its logits
     num_threads: int | None = None  # CPU: the intra-op threads every rank uses for this step (rank 0's choice)
+    prompt_logprob_rows: list[int] | None = None  # rows whose logits give a prompt token's log-probability (prompt_logprobs)
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch, num_threads: int | None = None) -> StepInputs:
@@ -138,7 +139,8 @@ class StepInputs:
         greedy = all(s.sampling_params.temperature < GREEDY_TEMPERATURE and not s.sampling_params.needs_logits
                      and s.num_completion_tokens >= s.sampling_params.min_tokens for s in batch.seqs)
         return cls(batch.is_prefill, batch.input_ids, list(batch.num_computed_tokens), list(batch.num_new_tokens),
-                   [list(t) for t in batch.block_tables], greedy, num_threads)
+                   [list(t) for t in batch.block_tables], greedy, num_threads,
+                   [row for row, _, _ in batch.prompt_logprob_rows] or None)
 
     @property
     def positions(self) -> list[int]:
@@ -185,6 +187,8 @@ class SamplingInputs:
     prompt_token_ids: list[list[int]] | None = None  # the prompts, which the repetition penalty counts too
     masked_token_ids: list[list[int]] | None = None  # per sequence: EOS and stop tokens it may not sample yet (min_tokens)
     logit_biases: list[dict[int, float] | None] | None = None  # per sequence: its logit_bias; None: no sequence has one
+    prompt_logprob_tokens: list[int] | None = None  # per row of the step's prompt_logprob_rows: the prompt token it predicts
+    num_prompt_logprobs: list[int] | None = None  # per such row: its sequence's prompt_logprobs (the top tokens to show)
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> SamplingInputs:
@@ -207,6 +211,9 @@ class SamplingInputs:
             inputs.logit_biases = [p.logit_bias for p in params]
         if any(p.logprobs is not None for p in params):
             inputs.num_logprobs = [p.logprobs for p in params]
+        if batch.prompt_logprob_rows:
+            inputs.prompt_logprob_tokens = [batch.seqs[i].token_ids[p] for _, i, p in batch.prompt_logprob_rows]
+            inputs.num_prompt_logprobs = [batch.seqs[i].sampling_params.prompt_logprobs for _, i, _ in batch.prompt_logprob_rows]
         return inputs
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -221,9 +228,10 @@ class SamplingInputs:
         return logits
 
 class StepOutput(NamedTuple):
-    "What rank 0 returns from a step: one sampled token per sequence, and the logprobs of those that asked."
+    "What rank 0 returns from a step: one sampled token per sequence, the logprobs of those that asked, and the prompt logprobs of the step's prompt_logprob_rows."
     token_ids: list[int]
     logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, float]] | None = None
 
 # %% ../../nbs/11_model_runner.ipynb #99bda7bb
 def available_memory_bytes() -> int:
@@ -500,7 +508,7 @@ def _agree_on_blocks(self: ModelRunner, num_blocks: int) -> int:
 # %% ../../nbs/11_model_runner.ipynb #aaecc873
 @patch
 def _last_hidden(self: ModelRunner, step: StepInputs, kv_cache: torch.Tensor | None) -> torch.Tensor:
-    "Final hidden states `[B, hidden]` at each sequence's last new token."
+    "Final hidden states `[B, hidden]` at each sequence's last new token (then at the step's prompt_logprob_rows)."
     if (kv_cache is not None and self.graphs is not None and not step.is_prefill
             and self.graphs.can_run(len(step.input_ids))):  # replay a captured decode graph
         return self.graphs.run(step.input_ids, step.context_lens, step.block_tables)  # the real rows only
@@ -511,20 +519,21 @@ def _last_hidden(self: ModelRunner, step: StepInputs, kv_cache: torch.Tensor | N
 
 @patch
 def _hidden_at_last_tokens(self: ModelRunner, step: StepInputs, kv_cache: torch.Tensor | None) -> torch.Tensor:
-    "The forward pass of `step` in this thread: final hidden states `[B, hidden]` at each sequence's last new token."
+    "The forward pass of `step` in this thread: final hidden states `[B, hidden]` at each sequence's last new token (then at its prompt_logprob_rows)."
     dev = self.device
     input_ids = torch.tensor(step.input_ids, dtype=torch.int64, device=dev)
     positions = torch.tensor(step.positions, dtype=torch.int64, device=dev)
     hidden = self.model(input_ids, positions, kv_cache, step.metadata(self.block_size, dev))
     # subtle: logits only at each sequence's last token; the LM head is the costliest layer for small models.
-    return hidden[torch.tensor(step.last_token_rows, dtype=torch.int64, device=dev)]
+    rows = step.last_token_rows + (step.prompt_logprob_rows or [])
+    return hidden[torch.tensor(rows, dtype=torch.int64, device=dev)]
 
 @patch
 def _num_streams(self: ModelRunner, step: StepInputs) -> int:
     "This step's streams: a CPU prefill's `prefill_streams` on one rank under the load-chosen threads, else 1."
     policy = self.threads
     # subtle: ranks' collectives must meet in one order, which streams of a rank would not keep: TP runs one stream
-    if policy is None or policy.fixed is not None or self.world_size > 1 or not step.is_prefill:
+    if policy is None or policy.fixed is not None or self.world_size > 1 or not step.is_prefill or step.prompt_logprob_rows:
         return 1
     return prefill_streams(step.num_new_tokens, step.num_threads or policy.threads, policy.max_threads)
 
@@ -559,16 +568,34 @@ def run(self: ModelRunner, step: StepInputs, sampling: SamplingInputs | None = N
         raise ValueError("rank 0 needs the step's SamplingInputs to sample")
     if step.num_threads is not None and step.num_threads != torch.get_num_threads():
         torch.set_num_threads(step.num_threads)
+    hidden, prompt_logprobs = self._last_hidden(step, self.kv_cache), None
+    if step.prompt_logprob_rows:  # subtle: on every rank, before the sampled tokens' LM head (it is collective)
+        num_seqs = len(step.num_new_tokens)
+        hidden, prompt_logprobs = hidden[:num_seqs], self._prompt_logprobs(hidden[num_seqs:], sampling)
     if step.greedy:
-        tokens = self.model.greedy_tokens(self._last_hidden(step, self.kv_cache))
-        return StepOutput(tokens.tolist()) if self.rank == 0 else None
-    logits = self._forward(step, self.kv_cache)
+        tokens = self.model.greedy_tokens(hidden)
+        return StepOutput(tokens.tolist(), None, prompt_logprobs) if self.rank == 0 else None
+    logits = self.model.compute_logits(hidden)  # subtle: outside any CUDA graph
     if self.rank != 0:
         return None
     s, raw = sampling, logits
     tokens = self.sampler(s.apply(logits), s.temperatures, s.top_ks, s.top_ps, s.seeds, s.steps, self.generator, s.min_ps)
     logprobs = token_logprobs(raw, tokens, s.num_logprobs) if s.num_logprobs is not None else None
-    return StepOutput(tokens.tolist(), logprobs)
+    return StepOutput(tokens.tolist(), logprobs, prompt_logprobs)
+
+PROMPT_LOGPROB_ROWS = 512  # prompt rows per LM-head call: bounds its [rows, vocab] float32 logits (300 MB at 150k)
+
+@patch
+def _prompt_logprobs(self: ModelRunner, hidden: torch.Tensor, sampling: SamplingInputs | None) -> list[dict[int, float]] | None:
+    "Per prompt row: `{token id: logprob}` of the prompt token it predicts and of its most likely ones (rank 0; None on the others)."
+    out = []
+    for start in range(0, len(hidden), PROMPT_LOGPROB_ROWS):
+        logits = self.model.compute_logits(hidden[start:start + PROMPT_LOGPROB_ROWS])  # every rank: a collective
+        if self.rank == 0:  # raw logits, as vLLM's: before penalties, biases and temperature
+            rows = slice(start, start + PROMPT_LOGPROB_ROWS)
+            tokens = torch.tensor(sampling.prompt_logprob_tokens[rows], dtype=torch.int64, device=logits.device)
+            out += token_logprobs(logits, tokens, sampling.num_prompt_logprobs[rows])
+    return out if self.rank == 0 else None
 
 # %% ../../nbs/11_model_runner.ipynb #076c8c29
 def run_batch(batch: ScheduledBatch, runner: ModelRunner, channel=None, remote=None) -> StepOutput:

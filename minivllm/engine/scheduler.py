@@ -39,11 +39,18 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)  # sequences preempted to make room for this batch
     eos_token_ids: frozenset[int] = frozenset()  # the scheduler's EOS ids, which min_tokens holds back
     samples: list[bool] = field(init=False)  # per sequence: whether this step ends at its last token, so samples one
+    # (row of input_ids, sequence index, position of the prompt token whose log-probability the row's logits give)
+    prompt_logprob_rows: list[tuple[int, int, int]] = field(init=False)
 
     def __post_init__(self):
         if not len(self.seqs) == len(self.num_computed_tokens) == len(self.num_new_tokens):
             raise ValueError("a batch needs one computed-token count and one new-token count per sequence")
         self.samples = [c + n == s.num_tokens for s, c, n in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)]
+        self.prompt_logprob_rows, start = [], 0
+        for i, (s, c, n) in enumerate(zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)):
+            if s.wants_prompt_logprobs:  # the logits at position p give the log-probability of the token at p + 1
+                self.prompt_logprob_rows += [(start + p - c, i, p + 1) for p in range(c, min(c + n, s.num_prompt_tokens - 1))]
+            start += n
 
     @property
     def num_seqs(self) -> int: return len(self.seqs)
@@ -185,9 +192,11 @@ def _schedule_prefill(self: Scheduler) -> ScheduledBatch | None:
         # its allocation finds every full block of the prompt there instead of computing them a second time
         if first is not None and not first.is_finished and first.num_computed_tokens < first.num_prompt_tokens:
             break
-        if not self.block_manager.can_allocate(seq.token_ids):
+        # subtle: the prefix cache holds keys and values, not the logits that a prompt's log-probabilities need
+        reuse = not seq.wants_prompt_logprobs
+        if not self.block_manager.can_allocate(seq.token_ids if reuse else seq.num_tokens):
             break  # first come, first served: later requests do not overtake it
-        seq.block_table, seq.num_cached_tokens = self.block_manager.allocate(seq.token_ids)
+        seq.block_table, seq.num_cached_tokens = self.block_manager.allocate(seq.token_ids, use_prefix_cache=reuse)
         seq.num_computed_tokens = seq.num_cached_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(self.waiting.popleft())
@@ -231,11 +240,15 @@ def _preempt(self: Scheduler, seq: Sequence) -> None:
 # %% ../../nbs/09_scheduler.ipynb #1b95919a
 @patch
 def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[int | None],
-                logprobs: list[dict[int, float] | None] | None = None) -> list[Sequence]:
-    "Record a computed step, given one sampled token per sequence (ignored where `batch.samples` is False) and its logprobs; the finished ones."
+                logprobs: list[dict[int, float] | None] | None = None,
+                prompt_logprobs: list[dict[int, float]] | None = None) -> list[Sequence]:
+    "Record a computed step, given one sampled token per sequence (ignored where `batch.samples` is False), its logprobs and the prompt logprobs of `batch.prompt_logprob_rows`; the finished ones."
     if len(sampled_token_ids) != batch.num_seqs:
         raise ValueError(f"expected one sampled token per sequence of the batch ({batch.num_seqs}), "
                          f"got {len(sampled_token_ids)}")
+    if len(prompt_logprobs or []) != len(batch.prompt_logprob_rows):
+        raise ValueError(f"expected a {{token id: logprob}} for each of the batch's {len(batch.prompt_logprob_rows)} "
+                         f"prompt_logprob_rows, got {len(prompt_logprobs or [])}")
     for i, (seq, computed, samples, token) in enumerate(zip(batch.seqs, batch.num_computed_tokens, batch.samples,
                                                             sampled_token_ids)):
         if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != computed:
@@ -247,6 +260,10 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
         if samples and seq.logprobs is not None and not (logprobs and isinstance(logprobs[i], dict)):
             raise ValueError(f"sequence {seq.seq_id} asked for logprobs: give a {{token id: logprob}} for its token")
     finished = []  # checked everything first: a bad call changes nothing
+    for (_, i, position), lp in zip(batch.prompt_logprob_rows, prompt_logprobs or []):
+        record = batch.seqs[i].prompt_logprobs
+        if position == len(record):  # subtle: a prompt computed again after a preemption keeps its first record
+            record.append(lp)
     for i, (seq, computed, new, samples, token) in enumerate(zip(
             batch.seqs, batch.num_computed_tokens, batch.num_new_tokens, batch.samples, sampled_token_ids)):
         seq.num_computed_tokens = computed + new

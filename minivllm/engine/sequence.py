@@ -36,6 +36,9 @@ class Sequence:
         self.num_preemptions = 0
         # per generated token, when logprobs are asked for: {token id: log-probability} of the sampled and top tokens
         self.logprobs: list[dict[int, float]] | None = [] if self.sampling_params.logprobs is not None else None
+        # per prompt token, when prompt_logprobs are asked for: the same, given the tokens before it (None for the first)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if self.sampling_params.prompt_logprobs is not None else None)
         self.shares_prompt_with: Sequence | None = None  # another sample of the same prompt, admitted before this one
 
     @property
@@ -50,6 +53,11 @@ class Sequence:
     def last_token(self) -> int: return self.token_ids[-1]
     @property
     def is_finished(self) -> bool: return self.status is SequenceStatus.FINISHED
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        "Whether steps must still compute its prompt's log-probabilities (the first sample of a prompt computes them)."
+        return (self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+                and self.shares_prompt_with is None)
     @property
     def num_uncomputed_tokens(self) -> int:
         "Tokens whose keys and values are still to compute: the rest of the prompt, or 1 (the newest) in decode."
