@@ -175,7 +175,7 @@ def _add_serve(sub) -> None:
     s.add_argument("--max-num-seqs", type=int, default=256, help="the most requests in one batch (default: %(default)s)")
     s.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help="the most tokens one step computes; longer prompts are prefilled in chunks (default: 2048, "
-                        "as vLLM's server, minivllm.server.SERVE_MAX_NUM_BATCHED_TOKENS)")
+                        "as vLLM's server, minivllm.serve.server.SERVE_MAX_NUM_BATCHED_TOKENS)")
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="on a GPU, the fraction of its memory the engine may use; the CPU ignores it "
                         "(default: %(default)s)")
@@ -197,13 +197,13 @@ def _add_serve(sub) -> None:
                         "larger events cost the server less per token, as vLLM's option (default: %(default)s)")
     s.add_argument("--max-request-bytes", type=int, default=None,
                    help="the largest request body the server reads, in bytes; larger ones get a 413 (default: 4 MiB, "
-                        "minivllm.server.MAX_REQUEST_BYTES)")
+                        "minivllm.serve.server.MAX_REQUEST_BYTES)")
     s.add_argument("--max-prompts-per-request", type=int, default=None, metavar="N",
                    help="the most prompts one completions request may hold; more get a 400 (default: 2048, "
-                        "minivllm.server.MAX_PROMPTS_PER_REQUEST)")
+                        "minivllm.serve.server.MAX_PROMPTS_PER_REQUEST)")
     s.add_argument("--max-queued-tokens", type=int, default=None, metavar="N",
                    help="the most prompt tokens of requests taken and not finished; a request past it gets a 429 "
-                        "(default: 1048576, minivllm.server.MAX_QUEUED_TOKENS)")
+                        "(default: 1048576, minivllm.serve.server.MAX_QUEUED_TOKENS)")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level; info logs every request (default: %(default)s)")
     add_node_options(s)
@@ -359,7 +359,7 @@ def _serve_command(a: argparse.Namespace) -> int:
     if template is not None and "{" not in template:  # a file's path (a template always holds a Jinja tag)
         template = Path(template).read_text()
     from minivllm.config import Config, model_folder
-    from minivllm.server import serve
+    from minivllm.serve.server import serve
     folder = model_folder(model)
     Config.from_pretrained(folder, tensor_parallel_size=a.tp, dtype=_dtype(a))  # no weights needed: before anything binds
     serve(folder if model is not None else None, a.tp, a.host, a.port, a.api_key or os.environ.get("MINIVLLM_API_KEY"),
@@ -382,8 +382,8 @@ def _worker_command(a: argparse.Namespace) -> int:
         raise ValueError(f"--master-port must be from 1 to 65535 (the engine prints it), got {a.master_port}")
     from minivllm.config import resolve_model
     from minivllm.engine.model_runner import EngineArgs, ModelRunner
-    from minivllm.engine.multinode import run_node
-    from minivllm.engine.wire import secret_from_env
+    from minivllm.cluster.multinode import run_node
+    from minivllm.cluster.wire import secret_from_env
     model = str(resolve_model(a.model)) if a.model is not None else None
     log = lambda line: print(f"minivllm: {line}", file=sys.stderr, flush=True)
     return run_node(a.master_addr, a.master_port, a.node_rank, ModelRunner, args_type=EngineArgs, secret=secret_from_env(),

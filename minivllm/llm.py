@@ -29,7 +29,7 @@ from .sampling_params import ParamError
 
 if TYPE_CHECKING:  # the channels' types, for the annotations only: the ranks are notebook 11a's business
     from minivllm.engine.ipc import ShmCommandChannel
-    from minivllm.engine.multinode import GlooCommandChannel
+    from minivllm.cluster.multinode import GlooCommandChannel
 
 # %% auto #0
 __all__ = ['logger', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer', 'CompletionText', 'Request', 'LLM',

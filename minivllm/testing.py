@@ -22,7 +22,7 @@ from .bench.workload import ServerProcess, default_sigint  # noqa: F401 (the tes
 from .checkpoints import make_tiny_checkpoint
 from .engine.block_manager import BlockManager
 from .engine.ipc import worker_loop
-from .engine.multinode import GlooCommandChannel, GlooCommandReceiver
+from .cluster.multinode import GlooCommandChannel, GlooCommandReceiver
 from .engine.scheduler import SamplingParams, ScheduledBatch, Scheduler
 from .engine.sequence import SequenceStatus
 from .attention import Attention, store_kvcache
@@ -30,7 +30,7 @@ from .kv_cache import allocate_kv_cache, decode_metadata, prefill_metadata, slot
 from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from .llm import DEFAULT_MODEL, LLM
 from .models import CausalLM
-from .engine.wire import ClusterKey
+from .cluster.wire import ClusterKey
 from .shm_allreduce import SEGMENT_PREFIX
 
 # %% auto #0

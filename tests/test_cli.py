@@ -194,9 +194,9 @@ def test_help_answers_at_once(hub_env):
 # --- vLLM's names ------------------------------------------------------------------------------------------------------
 
 def test_serve_passes_every_option_to_the_server(monkeypatch):
-    import minivllm.server
+    import minivllm.serve.server
     seen = {}
-    monkeypatch.setattr(minivllm.server, "serve", lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs))
+    monkeypatch.setattr(minivllm.serve.server, "serve", lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs))
     model = str(DEFAULT_MODEL)
     assert main(["serve", model, "-tp", "2", "--host", "0.0.0.0", "--port", "0", "--api-key", "k",
                  "--served-model-name", "m", "--max-model-len", "128", "--dtype", "bfloat16", "--max-num-seqs", "8",

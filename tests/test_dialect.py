@@ -143,7 +143,7 @@ def test_get_tokenizer_and_dict_prompts(llm):
 def test_a_chat_template_from_the_command_line_is_checked_then_used(llm):
     "`serve --chat-template`: the template renders a conversation before it replaces the tokenizer's."
     import copy
-    from minivllm.server import use_chat_template
+    from minivllm.serve.server import use_chat_template
     tok = copy.deepcopy(llm.get_tokenizer())
     use_chat_template(tok, "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<user>hi"

@@ -19,7 +19,7 @@ import pytest
 from minivllm import LLM, SamplingParams
 from minivllm.cli import main as cli_main
 from minivllm.distributed import RankFailure, free_port, listen_socket
-from minivllm.engine.wire import SECRET_ENV, new_secret
+from minivllm.cluster.wire import SECRET_ENV, new_secret
 from minivllm.testing import (WorkerNode, gone, leftover_segments, make_tiny_checkpoint, rank_processes, shm_segments,
                               tcp_listeners, wait_until)
 
@@ -92,8 +92,8 @@ def test_the_packaged_model_on_two_hosts():
         one_host = top_logprobs(llm, long_prompts, first)
     assert_same_logprobs(one_host, long_reference, FLOAT32)
     from minivllm.engine.model_runner import ModelRunner, StepInputs
-    from minivllm.engine.multinode import INLINE_BYTES
-    from minivllm.engine.wire import CommandCodec
+    from minivllm.cluster.multinode import INLINE_BYTES
+    from minivllm.cluster.wire import CommandCodec
     n = len(long_prompts)
     prefill = StepInputs(True, sum(long_prompts, []), [0] * n, [len(p) for p in long_prompts], [list(range(63))] * n)
     assert len(CommandCodec(ModelRunner.COMMANDS).encode("run", prefill)) > INLINE_BYTES

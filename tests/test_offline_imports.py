@@ -45,7 +45,7 @@ def test_the_cpu_path_never_imports_triton():
         with LLM(device="cpu") as llm:  # (on a GPU machine too: the CPU's path)
             llm.generate("ROMEO.", SamplingParams(temperature=0, max_tokens=4))
         # one machine's engine imports neither the cluster's modules (notebooks 09a, 10a) nor triton
-        assert not {"minivllm.engine.multinode", "minivllm.engine.wire"} & set(sys.modules), sorted(sys.modules)
+        assert not {"minivllm.cluster.multinode", "minivllm.cluster.wire"} & set(sys.modules), sorted(sys.modules)
         print("triton" in sys.modules)
     ''')
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -61,3 +61,20 @@ def test_a_folder_named_minivllm_beside_a_script_does_not_hide_the_package(tmp_p
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().endswith("__init__.py")
+
+
+def test_modules_moved_into_subpackages_import_by_their_old_names_too():
+    "The serving and cluster modules live in minivllm.serve and minivllm.cluster; the old names give the same modules."
+    script = textwrap.dedent('''
+        import importlib
+        from minivllm import _MOVED
+        for old, new in _MOVED.items():
+            assert importlib.import_module(old) is importlib.import_module(new), old
+        from minivllm.server import CompletionRequest  # noqa: F401
+        from minivllm.async_llm import AsyncLLM
+        import minivllm
+        assert minivllm.AsyncLLM is AsyncLLM
+        print("OK")
+    ''')
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "OK", run.stderr[-2000:]

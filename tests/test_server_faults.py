@@ -15,7 +15,7 @@ import pytest
 
 from minivllm import SamplingParams
 from minivllm.distributed import process_state
-from minivllm.engine.core import AddRequest, EngineCoreProcess, Ping, Pong, Rejected, StepOutputs
+from minivllm.serve.core import AddRequest, EngineCoreProcess, Ping, Pong, Rejected, StepOutputs
 from minivllm.testing import (BAD_REQUEST_VALUES as BAD_VALUES, ServerProcess, engine_idle_after, gone, rank_processes,
                               rss_mib, server_metrics as metrics, wait_until)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from minivllm.engine.ipc import encode_command
 from minivllm.engine.model_runner import StepInputs
 from minivllm.bench.comm import time_command_paths
-from minivllm.engine.multinode import INLINE_BYTES
+from minivllm.cluster.multinode import INLINE_BYTES
 
 SIZES = [256, 1024, 4096, 16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024]
 

@@ -29,8 +29,8 @@ def serve_and_record(port_file: str, steps_file: str) -> None:
     import inspect
     import uvicorn
     import minivllm
-    from minivllm.async_llm import AsyncLLM
-    from minivllm.server import bind_socket, build_app
+    from minivllm.serve.async_llm import AsyncLLM
+    from minivllm.serve.server import bind_socket, build_app
     kw = dict(dtype="float32", max_model_len=1024)
     one_process = "llm" in inspect.signature(AsyncLLM).parameters
     engine = AsyncLLM(minivllm.LLM(**kw), record_steps=True) if one_process else AsyncLLM(record_steps=True, **kw)

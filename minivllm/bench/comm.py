@@ -45,8 +45,8 @@ class _Sink:
 
 def _time_broadcasts(comm, sizes: list[int], iters: int, inline_bytes: int, secret: str) -> dict[int, float]:
     "Seconds per command of `sizes` bytes sent back to back over a `GlooCommandChannel` (rank 0's clock)."
-    from minivllm.engine.multinode import GlooCommandChannel, GlooCommandReceiver
-    from minivllm.engine.wire import ClusterKey
+    from minivllm.cluster.multinode import GlooCommandChannel, GlooCommandReceiver
+    from minivllm.cluster.wire import ClusterKey
     out, key = {}, ClusterKey(secret).scoped("bench")
     if comm.rank == 0:
         channel = GlooCommandChannel(comm.cpu_group, key, _Sink.COMMANDS, inline_bytes=inline_bytes)
@@ -74,7 +74,7 @@ def time_command_paths(sizes: list[int], iters: int = 200, repeats: int = 3,
     "Median seconds per command of each size, through shared memory and through the gloo broadcast, between two processes."
     from minivllm.distributed import run_on_ranks
     from minivllm.engine.ipc import ShmCommandChannel
-    from minivllm.engine.multinode import INLINE_BYTES
+    from minivllm.cluster.multinode import INLINE_BYTES
     inline_bytes = INLINE_BYTES if inline_bytes is None else inline_bytes
     shm, gloo = {n: [] for n in sizes}, {n: [] for n in sizes}
     secret = secrets.token_urlsafe(32)

@@ -20,8 +20,8 @@ from .model_runner import EngineArgs, ModelRunner, StepOutput, run_batch
 from .scheduler import ScheduledBatch
 
 if TYPE_CHECKING:  # subtle: several machines (notebooks 09a, 10a) are imported where an engine spans them, only there
-    from minivllm.engine.multinode import GlooCommandChannel, HeartbeatMonitor
-    from minivllm.engine.wire import ClusterKey
+    from minivllm.cluster.multinode import GlooCommandChannel, HeartbeatMonitor
+    from minivllm.cluster.wire import ClusterKey
 
 # %% auto #0
 __all__ = ['log', 'Ranks']
@@ -81,8 +81,8 @@ def _start(self: Ranks, args: EngineArgs) -> EngineArgs:
     try:
         port = listener.getsockname()[1]
         if args.nnodes > 1:  # the other machines read the engine's arguments from the store, and beat in it
-            from minivllm.engine.multinode import GlooCommandChannel, command_group, node_claimed
-            from minivllm.engine.wire import SECRET_ENV
+            from minivllm.cluster.multinode import GlooCommandChannel, command_group, node_claimed
+            from minivllm.cluster.wire import SECRET_ENV
             args = replace(args, master_port=port)
             store = self._store = store_server(args.master_addr, port, args.tensor_parallel_size, listener,
                                                timedelta(seconds=args.timeout_s))
@@ -118,8 +118,8 @@ def _start(self: Ranks, args: EngineArgs) -> EngineArgs:
 @patch
 def _publish(self: Ranks, store, args: EngineArgs, port: int) -> tuple[ClusterKey, HeartbeatMonitor]:
     "Put the engine's arguments in the store, sealed with the cluster's secret, and say how the other machines join."
-    from minivllm.engine.multinode import HeartbeatMonitor, publish_engine
-    from minivllm.engine.wire import SECRET_ENV, ClusterKey, new_secret, secret_from_env
+    from minivllm.cluster.multinode import HeartbeatMonitor, publish_engine
+    from minivllm.cluster.wire import SECRET_ENV, ClusterKey, new_secret, secret_from_env
     secret = secret_from_env()
     given, secret = secret is not None, secret or new_secret()
     key = publish_engine(store, ClusterKey(secret), args)  # sealed: only the secret's holders read it

@@ -32,7 +32,7 @@ from ..sampler import GREEDY_TEMPERATURE, Sampler, add_logit_bias, apply_penalti
 from ..models import build_model, load_checkpoint
 
 if TYPE_CHECKING:  # subtle: several machines (notebooks 09a, 10a) are imported where they are used, never by one machine's engine
-    from minivllm.engine.wire import ClusterKey
+    from minivllm.cluster.wire import ClusterKey
 
 # %% auto #0
 __all__ = ['MIN_STREAM_TOKENS', 'PROMPT_LOGPROB_ROWS', 'EngineArgs', 'StepInputs', 'SamplingInputs', 'StepOutput',
@@ -394,7 +394,7 @@ class ModelRunner:
                                      peers_alive=peers_alive, slot_bytes=self._slot_bytes(),
                                      **({"listener": listener} if listener is not None else {}))
         # several machines: no shared memory between them, so every collective goes through the process groups
-        from minivllm.engine.multinode import STALE_S, node_label, prove_membership
+        from minivllm.cluster.multinode import STALE_S, node_label, prove_membership
         if self.cluster_key is None:
             raise ValueError("ranks on several machines need the cluster's key (cluster_key=), which every rank proves")
         comm = ProcessGroupCommunicator.connect(

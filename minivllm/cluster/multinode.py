@@ -22,7 +22,7 @@ import torch.distributed as dist
 from fastcore.basics import patch
 
 from ..distributed import NodeLayout, RankFailure, RankProcess, end_processes, shutdown_groups  # noqa: F401 (NodeLayout: importable here too)
-from .ipc import OwnerDied, worker_loop
+from ..engine.ipc import OwnerDied, worker_loop
 from .wire import SECRET_ENV, ClusterKey, CommandCodec, Untrusted, fields_from_wire, fields_to_wire
 
 # %% auto #0
@@ -447,7 +447,7 @@ def run_node(master_addr: str, master_port: int, node: int, make_handler: Callab
     ranks = layout.ranks_of(node)
     claim_node(store, key, node, engine)
     # subtle: the ranks' body comes from the package by name, even when this runs in a notebook
-    from minivllm.engine.multinode import _remote_rank_main
+    from minivllm.cluster.multinode import _remote_rank_main
     quiet = os.environ.get("TORCH_CPP_LOG_LEVEL")
     os.environ["TORCH_CPP_LOG_LEVEL"] = quiet or "ERROR"  # subtle: the ranks' lost connections, without C++ stacks
     try:

@@ -317,7 +317,7 @@ class EngineCoreProcess:
         self.num_blocks, self.ended, self.process, self._exit_fd = 0, False, None, None
         # subtle: the process's body comes from the package by name, even when this code runs in a notebook: a copy
         # defined in a notebook would travel by value, with module globals that do not pickle.
-        from minivllm.engine.core import run_engine_core
+        from minivllm.serve.core import run_engine_core
         try:
             self.process = RankProcess(run_engine_core, engine_kwargs, f"ipc://{self.folder}/inbox",
                                        f"ipc://{self.folder}/outbox", record_steps, name="minivllm-engine-core")
