@@ -39,7 +39,8 @@ setuptools.setup(
     # script (the clone itself, seen from its parent folder) shadows as an empty namespace package.
     package_dir={'': '.'},
     include_package_data=True,
-    package_data={'minivllm': ['default_model/*']},  # the small model `LLM()` uses when given no path
+    package_data={'minivllm': ['default_model/*'],  # the small model `LLM()` uses when given no path
+                  'minivllm.cpu': ['*.cpp', '*.h']},  # the C++ kernels' sources, compiled on first use
     install_requires=reqs('requirements'),
     extras_require={'dev': reqs('dev_requirements'), 'gpu': reqs('gpu_requirements')},
     python_requires='>=' + min_python,

@@ -15,8 +15,8 @@ _LAZY = {"SamplingParams": "minivllm.sampling_params", "LLM": "minivllm.llm", "C
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
-# modules that moved into the serving and cluster subpackages -> where they are now: imports by the old name still work
-_MOVED = {"minivllm.server": "minivllm.serve.server", "minivllm.async_llm": "minivllm.serve.async_llm",
+# modules that moved into the subpackages (serving, cluster, CPU) -> where they are now: imports by the old name still work
+_MOVED = {"minivllm.cpu_kernels": "minivllm.cpu.kernels", "minivllm.server": "minivllm.serve.server", "minivllm.async_llm": "minivllm.serve.async_llm",
           "minivllm.engine.core": "minivllm.serve.core", "minivllm.engine.multinode": "minivllm.cluster.multinode",
           "minivllm.engine.wire": "minivllm.cluster.wire"}
 

@@ -17,7 +17,7 @@ from .distributed import Communicator
 from .layers.common import RMSNorm, SiluAndMul, get_rope
 from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from .layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from .layers.linear import cpu_gemm_setting
+from .cpu import cpu_gemm_setting
 
 # %% auto #0
 __all__ = ['DecoderAttention', 'DecoderMLP', 'DecoderLayer', 'DecoderModel', 'CausalLM', 'checkpoint_files',

@@ -15,8 +15,9 @@ from minivllm.distributed import Communicator
 from minivllm.attention import (attention_backend, attention_reference, attention_sdpa, cpu_decode_kernel,
                                 decode_attention, paged_decode_attention_cpu)
 from minivllm.kv_cache import decode_metadata
-from minivllm.layers import linear
-from minivllm.layers.linear import RowParallelLinear, gemm_kernels
+from minivllm.cpu import gemm
+from minivllm.cpu.gemm import gemm_kernels
+from minivllm.layers.linear import RowParallelLinear
 from minivllm.models import build_model, load_checkpoint
 from minivllm.testing import ATTENTION_TOL, load_layer, make_tiny_checkpoint, prefill_logits, rand
 
@@ -30,7 +31,7 @@ needs_kernel = pytest.mark.skipif(cpu_decode_kernel() is None, reason="the C++ d
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     "Measured GEMM choices go to a file of this test's own (the C++ kernels' cache stays where it is)."
-    monkeypatch.setattr(linear, "gemm_cache_path", lambda: tmp_path / "cache" / "cpu_gemm.json")
+    monkeypatch.setattr(gemm, "gemm_cache_path", lambda: tmp_path / "cache" / "cpu_gemm.json")
     monkeypatch.delenv("MINIVLLM_CPU_GEMM", raising=False)
 
 
@@ -105,7 +106,7 @@ def test_a_forced_gemm_gives_the_chosen_ones_outputs_in_bf16(ckpt, monkeypatch, 
         return m
     chosen = prefill_logits(packed_model(), prompts)
     monkeypatch.setenv("MINIVLLM_CPU_GEMM", kernel)
-    monkeypatch.setattr(linear, "time_gemm", lambda *a, **k: pytest.fail("a forced kernel was timed"))
+    monkeypatch.setattr(gemm, "time_gemm", lambda *a, **k: pytest.fail("a forced kernel was timed"))
     forced = packed_model()
     kinds = {m.packed.kernel if m.packed is not None else "torch" for m in forced.modules() if hasattr(m, "packed")}
     assert kinds == ({kernel} if kernel in gemm_kernels(torch.bfloat16) else {"torch"})
@@ -118,9 +119,9 @@ def test_mkl_takes_no_bf16_weight():
     assert "mkl" not in gemm_kernels(torch.bfloat16) and gemm_kernels(torch.bfloat16)[0] == "torch"
     assert gemm_kernels(torch.float16) == ["torch"]
     with pytest.raises(ValueError, match="packs a 2-d float32 CPU weight"):
-        linear.PackedWeight(rand(8, 16, dtype=torch.bfloat16))
+        gemm.PackedWeight(rand(8, 16, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="packs a 2-d float32 or bfloat16 CPU weight"):
-        linear.OneDNNWeight(rand(8, 16, dtype=torch.float16))
+        gemm.OneDNNWeight(rand(8, 16, dtype=torch.float16))
 
 
 @pytest.mark.skipif("onednn" not in gemm_kernels(torch.bfloat16), reason="this torch has no oneDNN bfloat16 matmul")
@@ -128,7 +129,7 @@ def test_onednn_bf16_sums_in_float32():
     "oneDNN's bfloat16 product is float32's exact sum rounded once: within half a bf16 ulp, far closer than bf16 sums."
     W, x = rand(64, 2048, seed=1, dtype=torch.bfloat16), rand(5, 2048, seed=2, dtype=torch.bfloat16)
     exact = F.linear(x.double(), W.double())
-    y = linear.OneDNNWeight(W)(x)
+    y = gemm.OneDNNWeight(W)(x)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.double(), exact, rtol=2 ** -8, atol=1e-6)
 

@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.config import Config
-from minivllm.layers import linear
+from minivllm.cpu import gemm
+from minivllm.cpu.gemm import (GEMM_ROWS, LOGIT_ROWS, choose_gemm, cpu_gemm_setting, gemm_cache_key, gemm_cache_path,
+                               gemm_kernels, pick_gemm, read_gemm_cache, relative_times, time_gemm)
 from minivllm.layers.embed_head import ParallelLMHead
-from minivllm.layers.linear import (GEMM_ROWS, LOGIT_ROWS, ColumnParallelLinear, MergedColumnParallelLinear,
-                                    QKVParallelLinear, ReplicatedLinear, RowParallelLinear, choose_gemm,
-                                    cpu_gemm_setting, gemm_cache_key, gemm_cache_path, gemm_kernels, pick_gemm,
-                                    read_gemm_cache, relative_times, time_gemm)
+from minivllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
+                                    RowParallelLinear)
 from minivllm.models import build_model, load_checkpoint
 from minivllm.testing import load_layer, make_tiny_checkpoint, prefill_logits, rand
 
@@ -30,9 +30,9 @@ IN, OUT, MID, HEAD = 32, 48, 64, 4
 def private_cache(tmp_path, monkeypatch):
     "Every test measures into a cache file of its own, with no kernel forced from outside."
     # subtle: not by MINIVLLM_CACHE, which would also move the C++ kernels' cache and rebuild them (25 s)
-    monkeypatch.setattr(linear, "gemm_cache_path", lambda: tmp_path / "cache" / "cpu_gemm.json")
+    monkeypatch.setattr(gemm, "gemm_cache_path", lambda: tmp_path / "cache" / "cpu_gemm.json")
     monkeypatch.delenv("MINIVLLM_CPU_GEMM", raising=False)
-    monkeypatch.setattr(linear, "cores_busy_elsewhere", lambda before, after: 0.0)  # a quiet machine, unless a test says
+    monkeypatch.setattr(gemm, "cores_busy_elsewhere", lambda before, after: 0.0)  # a quiet machine, unless a test says
 
 
 class CountingMeasure:
@@ -115,11 +115,11 @@ def test_whole_model_with_a_forced_kernel(tmp_path, monkeypatch, kernel):
         return m.eval()
     reference = prefill_logits(model(), prompts)
     monkeypatch.setenv("MINIVLLM_CPU_GEMM", kernel)
-    monkeypatch.setattr(linear, "time_gemm", lambda *a, **k: pytest.fail("a forced kernel was timed"))
+    monkeypatch.setattr(gemm, "time_gemm", lambda *a, **k: pytest.fail("a forced kernel was timed"))
     packed = model()
     assert packed.pack_for_cpu() == (0 if kernel == "torch" else 2 * 4 + 1)  # 4 linear layers a block, the head
     torch.testing.assert_close(prefill_logits(packed, prompts), reference, **F32)
-    assert not linear.gemm_cache_path().exists()  # forced: nothing measured, nothing saved
+    assert not gemm.gemm_cache_path().exists()  # forced: nothing measured, nothing saved
 
 
 def test_the_setting():
@@ -137,7 +137,7 @@ def test_setting_from_the_environment(monkeypatch):
 
 
 def test_forced_kernel_this_torch_lacks(monkeypatch):
-    monkeypatch.setattr(linear, "gemm_kernels", lambda dtype=torch.float32: ["torch"])
+    monkeypatch.setattr(gemm, "gemm_kernels", lambda dtype=torch.float32: ["torch"])
     with pytest.raises(RuntimeError, match="'onednn' is forced .* this torch has only \\['torch'\\]"):
         choose_gemm(rand(4, 8), "onednn")
 
@@ -155,7 +155,7 @@ def test_measured_once_then_read_back():
     choose_gemm(rand(16, 24), measure=measure)
     choose_gemm(W, rows=LOGIT_ROWS, measure=measure)  # other rows timed: another entry
     assert [c[0] for c in measure.calls] == [(24, 16), (16, 24), (24, 16)]
-    entries = read_gemm_cache(linear.gemm_cache_path())
+    entries = read_gemm_cache(gemm.gemm_cache_path())
     assert len(entries) == 3 and all(e["kernel"] == KERNELS[-1] for e in entries.values())
 
 
@@ -166,7 +166,7 @@ def test_another_machine_or_stack_measures_again(monkeypatch, change):
     W = rand(24, 16)
     choose_gemm(W, measure=CountingMeasure(KERNELS[0]))
     if change == "cpu":
-        monkeypatch.setattr(linear, "cpu_model", lambda: "Some Other CPU [0badf00d]")
+        monkeypatch.setattr(gemm, "cpu_model", lambda: "Some Other CPU [0badf00d]")
     elif change == "torch":
         monkeypatch.setattr(torch, "__version__", "99.0.0")
     elif change == "threads":
@@ -179,7 +179,7 @@ def test_another_machine_or_stack_measures_again(monkeypatch, change):
     measure = CountingMeasure(kernels[-1])
     assert choose_gemm(W, measure=measure) == kernels[-1]  # not the first machine's answer
     assert len(measure.calls) == 1
-    assert len(read_gemm_cache(linear.gemm_cache_path())) == 2  # both machines' choices kept
+    assert len(read_gemm_cache(gemm.gemm_cache_path())) == 2  # both machines' choices kept
 
 
 def test_the_cache_lives_with_the_kernels(tmp_path, monkeypatch):
@@ -192,11 +192,11 @@ def test_the_cache_lives_with_the_kernels(tmp_path, monkeypatch):
 
 
 def test_the_key_names_what_the_choice_depends_on(monkeypatch):
-    monkeypatch.setattr(linear, "cpu_model", lambda: "Test CPU [12345678]")
+    monkeypatch.setattr(gemm, "cpu_model", lambda: "Test CPU [12345678]")
     key = json.loads(gemm_cache_key(rand(24, 16), GEMM_ROWS))
     assert key == ["Test CPU [12345678]", torch.__version__, torch.get_num_threads(), "float32", [24, 16], [1, 16, 64, 256],
                    gemm_kernels()]  # the candidates too: a kernel added since is measured against the others
-    assert linear.cpu_model() != ""
+    assert gemm.cpu_model() != ""
 
 
 @needs_choice
@@ -204,7 +204,7 @@ def test_the_key_names_what_the_choice_depends_on(monkeypatch):
                                      b'{"KEY": "mkl"}', None])
 def test_a_broken_cache_is_measured_again(content):
     "A cache file that is not JSON, not a dict, has an unknown kernel or cannot be read is ignored, re-measured, rewritten."
-    W, path = rand(24, 16), linear.gemm_cache_path()
+    W, path = rand(24, 16), gemm.gemm_cache_path()
     path.parent.mkdir(parents=True)
     key = gemm_cache_key(W, GEMM_ROWS)
     if content is None:
@@ -222,14 +222,14 @@ def test_a_broken_cache_is_measured_again(content):
 @pytest.mark.parametrize("threads,busy,saved", [(2, 0.4, True), (2, 1.0, False), (1, 1.0, True), (1, 1.6, False)])
 def test_a_measurement_on_a_busy_machine_is_not_saved(monkeypatch, threads, busy, saved):
     "Other processes took the cores this process's threads need: the pick serves this process, and the next measures again."
-    monkeypatch.setattr(linear, "cores_busy_elsewhere", lambda before, after: busy)
+    monkeypatch.setattr(gemm, "cores_busy_elsewhere", lambda before, after: busy)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    monkeypatch.setattr(linear.os, "sched_getaffinity", lambda pid: {0, 1})  # two cores
+    monkeypatch.setattr(gemm.os, "sched_getaffinity", lambda pid: {0, 1})  # two cores
     measure, this_process = CountingMeasure(), {}
     assert choose_gemm(rand(24, 16), measure=measure, unsaved=this_process) == KERNELS[-1]
     assert choose_gemm(rand(24, 16), measure=measure, unsaved=this_process) == KERNELS[-1]  # every layer of the shape
     assert len(measure.calls) == 1
-    assert len(read_gemm_cache(linear.gemm_cache_path())) == (1 if saved else 0)
+    assert len(read_gemm_cache(gemm.gemm_cache_path())) == (1 if saved else 0)
     assert len(this_process) == (0 if saved else 1)
     assert choose_gemm(rand(24, 16), measure=measure, unsaved={}) == KERNELS[-1]  # the next process
     assert len(measure.calls) == (1 if saved else 2)
@@ -240,7 +240,7 @@ def test_a_cache_folder_that_cannot_be_written(tmp_path, monkeypatch):
     "A read-only cache still gives a choice, with a warning: measured once per process, in each process."
     blocked = tmp_path / "file"
     blocked.write_text("")
-    monkeypatch.setattr(linear, "gemm_cache_path", lambda: blocked / "below" / "cpu_gemm.json")  # not a folder
+    monkeypatch.setattr(gemm, "gemm_cache_path", lambda: blocked / "below" / "cpu_gemm.json")  # not a folder
     measure, this_process = CountingMeasure(), {}
     assert choose_gemm(rand(24, 16), measure=measure, unsaved=this_process) == KERNELS[-1]
     assert choose_gemm(rand(24, 16), measure=measure, unsaved=this_process) == KERNELS[-1]
@@ -253,15 +253,15 @@ def test_a_cache_folder_that_cannot_be_written(tmp_path, monkeypatch):
 def test_layers_use_the_measured_choice(monkeypatch):
     "`pack_for_cpu` packs with what `choose_gemm` picked: each kernel in turn made the fastest by a stubbed timer."
     for fastest in KERNELS:
-        monkeypatch.setattr(linear, "time_gemm", CountingMeasure(fastest))
-        monkeypatch.setattr(linear, "cpu_model", lambda: f"CPU where {fastest} wins")
+        monkeypatch.setattr(gemm, "time_gemm", CountingMeasure(fastest))
+        monkeypatch.setattr(gemm, "cpu_model", lambda: f"CPU where {fastest} wins")
         layer = load_layer(ColumnParallelLinear(IN, OUT), rand(OUT, IN))
         assert layer.pack_for_cpu() == (fastest != "torch")
         assert (layer.packed.kernel if layer.packed is not None else "torch") == fastest
         head = ParallelLMHead(100, IN)
         head.pack_for_cpu()
         assert (head.packed.kernel if head.packed is not None else "torch") == fastest
-        assert linear.time_gemm.calls[-1][2] == LOGIT_ROWS  # the head is timed at one row per sequence
+        assert gemm.time_gemm.calls[-1][2] == LOGIT_ROWS  # the head is timed at one row per sequence
 
 
 def one_round(**times):
@@ -294,7 +294,7 @@ def test_time_gemm_takes_turns_in_alternating_order(monkeypatch):
     class Recorder:
         def __init__(self, kernel): self.kernel = kernel
         def __call__(self, x, bias=None): order.append((self.kernel, x.shape[0])); return x
-    monkeypatch.setattr(linear, "pack_weight", lambda w, kernel: Recorder(kernel))
+    monkeypatch.setattr(gemm, "pack_weight", lambda w, kernel: Recorder(kernel))
     ticks = iter(range(10_000))
     times = time_gemm(rand(24, 16), ["a", "b", "c"], rows=(2, 3), rounds=4, sample_s=1.0, clock=lambda: float(next(ticks)))
     # the clock ticks once per reading: the first call lasts 1 s, so a sample is one call, and one call lasts 1 s
@@ -375,7 +375,7 @@ def test_bf16_choice_is_measured_on_its_own_kernels_and_key(monkeypatch):
     assert measure.calls == [((24, 16), tuple(KERNELS16), GEMM_ROWS)] and "mkl" not in KERNELS16
     assert choose_gemm(W.bfloat16(), measure=measure) == KERNELS16[-1] and len(measure.calls) == 1  # read back
     assert json.loads(gemm_cache_key(W.bfloat16(), GEMM_ROWS))[3] == "bfloat16"
-    assert len(read_gemm_cache(linear.gemm_cache_path())) == 2
+    assert len(read_gemm_cache(gemm.gemm_cache_path())) == 2
     if "mkl" in KERNELS:
         assert choose_gemm(W.bfloat16(), "mkl", measure=measure) == "torch"
     assert gemm_kernels(torch.float16) == ["torch"]

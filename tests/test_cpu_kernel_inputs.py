@@ -7,12 +7,13 @@ import sys
 
 import pytest
 
-from minivllm.cpu_kernels import layer_kernels
+from minivllm.cpu.kernels import layer_kernels
 
 SCRIPT = r'''
 import json, torch
 import torch.nn.functional as F
-from minivllm import attention as kv, cpu_kernels as ck
+from minivllm import attention as kv
+from minivllm.cpu import kernels as ck
 from minivllm.kv_cache import decode_metadata
 
 g = torch.Generator().manual_seed(0)

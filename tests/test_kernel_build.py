@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from minivllm.cpu_kernels import cpu_kernels_enabled, file_lock
+from minivllm.cpu.kernels import cpu_kernels_enabled, file_lock
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_enabled(), reason="the C++ kernels are off here")
 
@@ -21,7 +21,7 @@ SLOW_PROBE = "#include <ATen/ATen.h>\n" + PROBE  # a few seconds of compiling: t
 # a child that builds the probe library and prints whether it got it; `prefix` stands for another environment
 CHILD = """import os, sys, time
 if len(sys.argv) > 1: sys.prefix = sys.argv[1]
-from minivllm.cpu_kernels import build_cpu_extension, kernel_build_folder
+from minivllm.cpu.kernels import build_cpu_extension, kernel_build_folder
 start = time.monotonic()
 ok = build_cpu_extension("probe", os.environ["PROBE"])
 print(ok, round(time.monotonic() - start, 2), kernel_build_folder(os.environ["PROBE"]), flush=True)"""

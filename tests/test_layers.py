@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from minivllm.config import Config
-from minivllm.cpu_kernels import use_cpu_kernels
+from minivllm.cpu import use_cpu_kernels
 from minivllm.layers.embed_head import first_max
 from minivllm.testing import hf_rope, hf_rotate
 from minivllm.layers.common import RMSNorm, RotaryEmbedding, SiluAndMul, get_rope, rope_inv_freq
@@ -539,7 +539,7 @@ def test_first_max_is_the_first_of_tied_maxima(dtype):
 
 def test_cpu_kernels_switched_off_give_the_torch_path_bit_for_bit():
     "MINIVLLM_CPU_KERNEL=0: float32 layers on the CPU run torch's operations again, transformers' bits."
-    code = ("import torch; from minivllm.cpu_kernels import layer_kernels, use_cpu_kernels; "
+    code = ("import torch; from minivllm.cpu.kernels import layer_kernels, use_cpu_kernels; "
             "from minivllm.layers.common import RMSNorm, RotaryEmbedding, SiluAndMul; "
             "x, p = torch.randn(3, 2, 8), torch.tensor([0, 5, 9]); n, r = RMSNorm(8), RotaryEmbedding(8, 16, 1e4); "
             "assert layer_kernels() is None and not use_cpu_kernels(x); assert n(x).equal(n.rms_norm(x)); "

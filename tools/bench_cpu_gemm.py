@@ -18,7 +18,7 @@ from minivllm.bench.throughput import bench_minivllm
 from minivllm.bench.workload import Workload, device_name
 from minivllm.checkpoints import SHAPES, random_checkpoint
 from minivllm.config import Config
-from minivllm.layers.linear import cpu_model
+from minivllm.cpu.gemm import cpu_model
 from minivllm.llm import DEFAULT_MODEL
 
 

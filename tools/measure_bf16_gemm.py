@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.checkpoints import SHAPES
-from minivllm.layers.linear import GEMM_ROWS, LOGIT_ROWS, PackedWeight, cpu_model, relative_times
+from minivllm.cpu.gemm import GEMM_ROWS, LOGIT_ROWS, PackedWeight, cpu_model, relative_times
 from minivllm.testing import DEFAULT_MODEL
 
 from measure_cpu_gemm import layer_shapes  # tools/, beside this script

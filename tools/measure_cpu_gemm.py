@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from minivllm.checkpoints import SHAPES
-from minivllm.layers.linear import (GEMM_ROWS, LOGIT_ROWS, choose_gemm, cores_busy_elsewhere, cpu_model, gemm_kernels,
+from minivllm.cpu.gemm import (GEMM_ROWS, LOGIT_ROWS, choose_gemm, cores_busy_elsewhere, cpu_model, gemm_kernels,
                                     machine_busy, pick_gemm, relative_times, time_gemm)
 from minivllm.testing import DEFAULT_MODEL
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import cpu_kernels
+from .. import cpu
 from ..config import Config, rope_type
 
 # %% auto #0
@@ -37,9 +37,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         "`norm(x)`; or, given `residual`, `(norm(x + residual), x + residual)`: the new residual is the sum."
-        if (cpu_kernels.use_cpu_kernels(x) and self.weight.dtype == x.dtype
+        if (cpu.use_cpu_kernels(x) and self.weight.dtype == x.dtype
                 and (residual is None or residual.dtype == x.dtype)):  # one C++ loop, HF's roundings (notebook 04a)
-            return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+            return cpu.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self.rms_norm(x)
         x = x + residual  # subtle: in the model dtype, like HF's `residual + hidden_states`
@@ -54,8 +54,8 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] % 2:
             raise ValueError(f"SiluAndMul needs an even last dimension ([gate | up]), got shape {tuple(x.shape)}")
-        if cpu_kernels.use_cpu_kernels(x):  # float32 or bfloat16 on the CPU: one C++ loop (notebook 04a)
-            return cpu_kernels.silu_and_mul(x)
+        if cpu.use_cpu_kernels(x):  # float32 or bfloat16 on the CPU: one C++ loop (notebook 04a)
+            return cpu.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -142,9 +142,9 @@ class RotaryEmbedding(nn.Module):
         if self.cos_sin_cache.dtype != torch.float32:
             raise TypeError(f"the cos/sin table is {self.cos_sin_cache.dtype}, not float32: the module was cast with "
                             ".to(dtype); build the model under torch.set_default_dtype(dtype) instead of casting it")
-        if cpu_kernels.use_cpu_kernels(q) and k.dtype == q.dtype:  # float32 or bfloat16 on the CPU (notebook 04a)
+        if cpu.use_cpu_kernels(q) and k.dtype == q.dtype:  # float32 or bfloat16 on the CPU (notebook 04a)
             try:
-                return cpu_kernels.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim)
+                return cpu.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim)
             except (RuntimeError, ValueError):
                 pass  # a position or layout the kernel refuses: the torch path below says what is wrong
         return self.rotate(positions, q, k)

@@ -5,15 +5,16 @@
 # %% ../../nbs/04_vocab_embedding.ipynb #4a62f105
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from fastcore.basics import patch
 from torch import nn
 
-from .. import cpu_kernels
+from .. import cpu
 from ..config import check_token_ids
 from ..distributed import Communicator, divide
-from .linear import LOGIT_ROWS, OneDNNWeight, PackedWeight, choose_gemm, cpu_gemm_setting, pack_weight
 
 # %% auto #0
 __all__ = ['pad_vocab_size', 'vocab_range', 'check_input_ids', 'VocabParallelEmbedding', 'first_max', 'ParallelLMHead']
@@ -90,8 +91,8 @@ class VocabParallelEmbedding(nn.Module):
 # %% ../../nbs/04_vocab_embedding.ipynb #857e7e7a
 def first_max(logits: torch.Tensor) -> torch.Tensor:
     "Each row's index of its first maximum (argmax's choice): the C++ kernel on the CPU (notebook 04a), else torch's."
-    if logits.dim() == 2 and logits.shape[-1] and cpu_kernels.use_cpu_kernels(logits):
-        return cpu_kernels.argmax_rows(logits)  # one vectorised pass: a sixth to a tenth of torch's time
+    if logits.dim() == 2 and logits.shape[-1] and cpu.use_cpu_kernels(logits):
+        return cpu.argmax_rows(logits)  # one vectorised pass: a sixth to a tenth of torch's time
     # subtle: max's indices are argmax's (the first of tied maxima, documented) at a third of the CPU time
     return logits.max(dim=-1).indices
 
@@ -105,7 +106,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.packed: PackedWeight | OneDNNWeight | None = None  # the CPU's packed copy (see "On the CPU")
+        self.packed: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None  # the CPU's packed copy (see "On the CPU")
 
     def local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         "This rank's slice of the logits, `[..., num_embeddings_per_rank]` (padding columns included)."
@@ -142,10 +143,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 # %% ../../nbs/04_vocab_embedding.ipynb #5b091891
 @patch
 def pack_for_cpu(self: ParallelLMHead, free_weight: bool = False, gemm: str | None = None) -> bool:
-    "Compute the logits with the GEMM `choose_gemm` picks for the table's dtype (or `gemm` forces); free the table if `free_weight`."
+    "Compute the logits with the GEMM measured fastest for the table (notebook 03a; or `gemm` forces); free the table if `free_weight`."
     w = self.weight
     if self.packed is None and w.dtype.is_floating_point and w.device.type == "cpu":
-        self.packed = pack_weight(w, choose_gemm(w, cpu_gemm_setting(gemm), rows=LOGIT_ROWS))
+        self.packed = cpu.packed_weight(w, gemm, rows=cpu.LOGIT_ROWS)  # notebook 03a
         if free_weight and self.packed is not None:
             w.data = torch.empty(0, dtype=w.dtype)
     return self.packed is not None

@@ -5,35 +5,20 @@
 # %% ../../nbs/03_parallel_linear.ipynb #1a948bc6
 from __future__ import annotations
 
-import fcntl
-import functools
-import hashlib
-import json
-import logging
-import os
-import platform
-import statistics
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from fastcore.basics import patch
 from torch import nn
 
-from .. import cpu_kernels
+from .. import cpu
 from ..config import check_tensor_parallel
 from ..distributed import Communicator, divide
 
 # %% auto #0
-__all__ = ['ONEDNN_DTYPES', 'GEMM_KERNELS', 'GEMM_ROWS', 'LOGIT_ROWS', 'UNSAVED_CHOICES', 'LinearBase', 'ReplicatedLinear',
-           'ColumnParallelLinear', 'RowParallelLinear', 'MergedColumnParallelLinear', 'heads_per_rank',
-           'QKVParallelLinear', 'mkl_packing_available', 'check_packable', 'check_fits', 'PackedWeight',
-           'onednn_packing_available', 'OneDNNWeight', 'BF16PanelWeight', 'gemm_kernels', 'pack_weight',
-           'cpu_gemm_setting', 'time_gemm', 'relative_times', 'pick_gemm', 'cpu_model', 'gemm_cache_key',
-           'gemm_cache_path', 'read_gemm_cache', 'save_gemm_choice', 'machine_busy', 'cores_busy_elsewhere',
-           'quiet_enough', 'choose_gemm']
+__all__ = ['LinearBase', 'ReplicatedLinear', 'ColumnParallelLinear', 'RowParallelLinear', 'MergedColumnParallelLinear',
+           'heads_per_rank', 'QKVParallelLinear']
 
 # %% ../../nbs/03_parallel_linear.ipynb #bb9274af
 class LinearBase(nn.Module):
@@ -45,7 +30,8 @@ class LinearBase(nn.Module):
         self.comm = comm if comm is not None else Communicator()  # a group of one
         self.tp_rank, self.tp_size = self.comm.rank, self.comm.world_size
         self.params_dtype = params_dtype or torch.get_default_dtype()
-        self.packed: PackedWeight | OneDNNWeight | None = None  # the CPU's packed weight, once `pack_for_cpu` ran (the end)
+        # the CPU's packed weight, `(x, bias) -> y`, once `pack_for_cpu` ran (the end; notebook 03a)
+        self.packed: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
 
     def create_params(self, out_features: int, in_features: int, bias: bool) -> None:
         "Allocate this rank's `(out_features, in_features)` weight (and bias) and attach the loader to them."
@@ -209,287 +195,10 @@ class QKVParallelLinear(LinearBase):
         size = len(heads) * self.head_size
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, heads.start * self.head_size, size))
 
-# %% ../../nbs/03_parallel_linear.ipynb #ed264a77
-@functools.cache
-def mkl_packing_available() -> bool:
-    "Whether this torch has MKL's packed GEMM (x86 builds): checked once, on a small weight against `F.linear`."
-    if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
-        return False
-    try:
-        w, x = torch.randn(8, 16), torch.randn(3, 16)
-        y = torch.ops.mkl._mkl_linear(x, torch.ops.mkl._mkl_reorder_linear_weight(w, 3), w, None, 3)
-        return torch.allclose(y, F.linear(x, w), rtol=1e-4, atol=1e-5)
-    except (RuntimeError, AttributeError):  # an op that is declared but not built in
-        return False
-
-def check_packable(weight: torch.Tensor, packer: str, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
-    "`ValueError` unless `weight` is what a packed GEMM takes: a 2-d CPU tensor of one of `dtypes`."
-    if weight.dim() != 2 or weight.dtype not in dtypes or weight.device.type != "cpu":
-        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"{packer} packs a 2-d {names} CPU weight, got {weight.dtype} {tuple(weight.shape)} "
-                         f"on {weight.device}: keep F.linear for it")
-
-def check_fits(shape: tuple[int, int], x: torch.Tensor, bias: torch.Tensor | None) -> None:
-    "`ValueError` unless `x [..., in]` and `bias [out]` fit a packed weight of `shape` `(out, in)`."
-    if x.shape[-1] != shape[1] or (bias is not None and bias.shape != shape[:1]):
-        raise ValueError(f"input [..., {x.shape[-1]}] and bias {None if bias is None else tuple(bias.shape)} do not "
-                         f"fit a weight of shape {shape}")
-
-class PackedWeight:
-    "A float32 CPU weight `[out, in]` packed once for MKL: `packed(x, bias)` is `F.linear(x, weight, bias)`."
-    kernel = "mkl"
-
-    def __init__(self, weight: torch.Tensor):
-        check_packable(weight, "PackedWeight")
-        if not mkl_packing_available():
-            raise RuntimeError("this torch has no MKL packed GEMM (torch.ops.mkl._mkl_linear): keep F.linear")
-        self.shape = tuple(weight.shape)
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), 64)
-        # subtle: _mkl_linear reads the original weight's shape and dtype only (its data just in the fallback for an
-        # unexpected row count, which __call__ never asks for): a zero-stride stand-in frees the original's memory.
-        self.stand_in = torch.zeros((), dtype=weight.dtype).expand(self.shape)
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        check_fits(self.shape, x, bias)  # subtle: MKL trusts these sizes with raw pointers: a misfit would read out of bounds
-        rows = x.numel() // self.shape[1] if self.shape[1] else 0
-        return torch.ops.mkl._mkl_linear(x, self.packed, self.stand_in, bias, rows)
-
-    def __repr__(self) -> str: return f"PackedWeight({self.shape})"
-
-# %% ../../nbs/03_parallel_linear.ipynb #1bea8a29
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16)  # what oneDNN's packed matmul multiplies; bfloat16 sums in float32
-
-@functools.cache
-def onednn_packing_available(dtype: torch.dtype = torch.float32) -> bool:
-    "Whether this torch has oneDNN's packed matmul (`torch.ops.mkldnn`) for `dtype`: checked once, against `F.linear`."
-    if dtype not in ONEDNN_DTYPES or not (torch.backends.mkldnn.is_available()
-                                          and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
-        return False
-    try:
-        w, x = torch.randn(8, 16).to(dtype), torch.randn(3, 16).to(dtype)
-        y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, batch_size=3), None,
-                                               "none", [], "")
-        # the exact product, rounded once to bfloat16 (half an ulp, 2**-9 relative), when the sums are float32's
-        tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -8, atol=1e-3)
-        return y.dtype == dtype and torch.allclose(y.float(), F.linear(x.float(), w.float()), **tol)
-    except (RuntimeError, AttributeError):  # an op that is declared but not built in (or not for this dtype)
-        return False
-
-class OneDNNWeight:
-    "A float32 or bfloat16 CPU weight `[out, in]` reordered once for oneDNN: `packed(x, bias)` is `F.linear(x, weight, bias)`."
-    kernel = "onednn"
-
-    def __init__(self, weight: torch.Tensor):
-        check_packable(weight, "OneDNNWeight", ONEDNN_DTYPES)
-        if not onednn_packing_available(weight.dtype):
-            raise RuntimeError(f"this torch has no oneDNN packed matmul (torch.ops.mkldnn._linear_pointwise) for "
-                               f"{weight.dtype}: keep F.linear")
-        self.shape = tuple(weight.shape)
-        # the layout hint is a decode batch of 64 rows, as for MKL's packing; every row count multiplies correctly
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_size=64)
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        check_fits(self.shape, x, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-
-    def __repr__(self) -> str: return f"OneDNNWeight({self.shape})"
-
-class BF16PanelWeight:
-    "A bfloat16 CPU weight `[out, in]` in panels for notebook 04a's AVX512_BF16 product: `packed(x, bias)` is `F.linear(x, weight, bias)`."
-    kernel = "avx512bf16"
-
-    def __init__(self, weight: torch.Tensor):
-        check_packable(weight, "BF16PanelWeight", (torch.bfloat16,))
-        if cpu_kernels.bf16_gemm() is None:
-            raise RuntimeError("this CPU has no AVX512_BF16 (or the C++ kernels are off or cannot be built): keep "
-                               "oneDNN's product or F.linear")
-        self.shape = tuple(weight.shape)
-        self.packed = cpu_kernels.pack_bf16_panels(weight)
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        check_fits(self.shape, x, bias)
-        return cpu_kernels.avx512bf16_linear(x, self.packed, self.shape[0], bias)
-
-    def __repr__(self) -> str: return f"BF16PanelWeight({self.shape})"
-
-# %% ../../nbs/03_parallel_linear.ipynb #af4742fd
-GEMM_KERNELS = ("torch", "mkl", "onednn", "avx512bf16")  # F.linear, MKL's packed GEMM, oneDNN's packed matmul, ours
-
-def gemm_kernels(dtype: torch.dtype = torch.float32) -> list[str]:
-    "The GEMMs this torch can multiply a `dtype` CPU weight with: `torch` always, each packed one that takes `dtype`."
-    # subtle: MKL's packed GEMM is float32's only (cblas_sgemm_pack); oneDNN's takes bfloat16 too
-    mkl = dtype == torch.float32 and mkl_packing_available()
-    ours = dtype == torch.bfloat16 and cpu_kernels.bf16_gemm() is not None  # notebook 04a's, where the CPU has AVX512_BF16
-    return ["torch"] + ["mkl"] * mkl + ["onednn"] * onednn_packing_available(dtype) + ["avx512bf16"] * ours
-
-def pack_weight(weight: torch.Tensor, kernel: str) -> PackedWeight | OneDNNWeight | BF16PanelWeight | None:
-    "`weight` packed for `kernel` (`mkl`, `onednn`, `avx512bf16`), or None for `torch` (`F.linear` on the weight as it is)."
-    if kernel not in GEMM_KERNELS:
-        raise ValueError(f"unknown CPU GEMM {kernel!r}: choose one of {', '.join(GEMM_KERNELS)}")
-    return {"torch": lambda w: None, "mkl": PackedWeight, "onednn": OneDNNWeight, "avx512bf16": BF16PanelWeight}[kernel](weight)
-
-def cpu_gemm_setting(value: str | None = None) -> str:
-    "The CPU GEMM asked for: `value`, else `$MINIVLLM_CPU_GEMM`, else `auto` (measure). Example: `cpu_gemm_setting('MKL') -> 'mkl'`."
-    setting = (value or os.environ.get("MINIVLLM_CPU_GEMM") or "auto").strip().lower()
-    if setting not in ("auto", *GEMM_KERNELS):
-        raise ValueError(f"MINIVLLM_CPU_GEMM={setting!r}: choose auto (measure) or one of {', '.join(GEMM_KERNELS)}")
-    return setting
-
-# %% ../../nbs/03_parallel_linear.ipynb #b11687b3
-GEMM_ROWS = (1, 16, 64, 256)  # decode steps of 1, 16 and 64 sequences, and a chunk of prefill tokens
-LOGIT_ROWS = (1, 16, 64)  # the LM head multiplies one row per sequence, in prefill as in decode
-
-def time_gemm(weight: torch.Tensor, kernels: list[str], rows: tuple[int, ...] = GEMM_ROWS, rounds: int = 7,
-              sample_s: float = 1e-3, clock: Callable[[], float] = time.perf_counter) -> dict[str, list[list[float]]]:
-    "Seconds per call of each kernel on `weight`, `[row count][round]`: the kernels take turns in every round."
-    calls = {}
-    for k in kernels:
-        p = pack_weight(weight, k)
-        calls[k] = (lambda x: F.linear(x, weight)) if p is None else p
-    g, samples = torch.Generator().manual_seed(0), {k: [] for k in kernels}
-    for m in rows:
-        x = torch.randn(m, weight.shape[1], generator=g, dtype=weight.dtype)
-        for call in calls.values(): call(x)  # subtle: oneDNN creates its primitive at the first call of a shape
-        start = clock(); calls[kernels[0]](x); once = clock() - start
-        reps = max(1, min(100, round(sample_s / max(once, 1e-7))))
-        for k in kernels: samples[k].append([])
-        for r in range(rounds):
-            # subtle: alternate the order, so that no kernel always runs right after the same one
-            for k in (kernels if r % 2 == 0 else kernels[::-1]):
-                start = clock()
-                for _ in range(reps): calls[k](x)
-                samples[k][-1].append((clock() - start) / reps)
-    return samples
-
-# %% ../../nbs/03_parallel_linear.ipynb #dcec5a3c
-def relative_times(samples: dict[str, list[list[float]]]) -> dict[str, list[float]]:
-    "Each kernel's time over the fastest's in the same round, median over the rounds, at each row count."
-    rel = {k: [] for k in samples}
-    for per_kernel in zip(*samples.values()):  # one row count: every kernel's samples
-        rounds = list(zip(*per_kernel))  # one round: every kernel's time
-        for j, k in enumerate(samples):
-            rel[k].append(statistics.median(r[j] / min(r) for r in rounds))
-    return rel
-
-def pick_gemm(samples: dict[str, list[list[float]]]) -> str:
-    "The kernel of least mean relative time (`relative_times`) over the row counts; the first listed on a tie."
-    rel = relative_times(samples)
-    return min(rel, key=lambda k: sum(rel[k]))
-
-# %% ../../nbs/03_parallel_linear.ipynb #33a07859
-def cpu_model() -> str:
-    "This CPU's model name and a digest of its feature flags (from /proc/cpuinfo; the platform's name elsewhere)."
-    info = Path("/proc/cpuinfo").read_text(errors="replace") if Path("/proc/cpuinfo").exists() else ""
-    def field(name): return next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith(name)), "")
-    flags = hashlib.sha1((field("flags") or field("Features")).encode()).hexdigest()[:8]
-    return f"{field('model name') or platform.processor() or platform.machine()} [{flags}]"
-
-def gemm_cache_key(weight: torch.Tensor, rows: tuple[int, ...]) -> str:
-    "What a measured choice depends on: CPU, torch version, threads, the weight's dtype and shape, the rows timed, the candidates."
-    # subtle: our own kernel is named with a digest of its source, so a choice measured with another version of it is
-    # measured again (torch's and MKL's change with torch's version, which the key has)
-    ours = hashlib.sha1(cpu_kernels.BF16_GEMM_SOURCE.encode()).hexdigest()[:8]
-    candidates = [f"{k} {ours}" if k == "avx512bf16" else k for k in gemm_kernels(weight.dtype)]
-    return json.dumps([cpu_model(), torch.__version__, torch.get_num_threads(), str(weight.dtype).removeprefix("torch."),
-                       list(weight.shape), list(rows), candidates])
-
-def gemm_cache_path() -> Path:
-    "The file of measured choices: `cpu_gemm.json` in `$MINIVLLM_CACHE`, else in `~/.cache/minivllm`."
-    return Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm")) / "cpu_gemm.json"
-
-def read_gemm_cache(path: Path) -> dict:
-    "The choices measured before, from the JSON file at `path`; empty if it is missing, unreadable or not a dict."
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-def save_gemm_choice(path: Path, key: str, entry: dict) -> bool:
-    "Add `entry` under `key` to the file at `path`, locked against other ranks; whether it could (else: skipped, warned)."
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_name(path.name + ".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            data = read_gemm_cache(path)
-            data[key] = entry
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(data, indent=1))
-            os.replace(tmp, path)  # subtle: readers without the lock see the old file or the new one, never half
-        return True
-    except OSError as e:
-        logging.getLogger("minivllm").warning(f"could not save the CPU GEMM choice in {path} ({e}): it is measured again next time")
-        return False
-
-# %% ../../nbs/03_parallel_linear.ipynb #999ae993
-def machine_busy() -> tuple[float, float, float] | None:
-    "Seconds of busy CPU of the whole machine (from /proc/stat, steal time included), of this process, and the clock."
-    try:
-        with open("/proc/stat") as f:
-            user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
-    except (OSError, ValueError):
-        return None
-    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-    return busy, time.process_time(), time.perf_counter()
-
-def cores_busy_elsewhere(before: tuple[float, float, float] | None, after: tuple[float, float, float] | None) -> float:
-    "How many cores other processes kept busy between two `machine_busy` readings (0 where it cannot tell)."
-    # subtle: /proc/stat counts in clock ticks (10 ms): over less than 50 ms its answer is mostly rounding
-    if before is None or after is None or after[2] - before[2] < 0.05:
-        return 0.0
-    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / (after[2] - before[2]))
-
-def quiet_enough(busy_elsewhere: float, threads: int, cores: int) -> bool:
-    "Whether other processes left this process's `threads` their cores (half a core of slack). Example: `(0.3, 2, 2) -> True`."
-    return busy_elsewhere <= max(0, cores - threads) + 0.5
-
-# %% ../../nbs/03_parallel_linear.ipynb #60b7bc59
-UNSAVED_CHOICES: dict[tuple[str, str], str] = {}  # (cache file, key) -> a kernel this process measured but did not save
-
-def choose_gemm(weight: torch.Tensor, setting: str = "auto", rows: tuple[int, ...] = GEMM_ROWS, cache: Path | None = None,
-                measure: Callable[..., dict[str, list[list[float]]]] | None = None,
-                unsaved: dict[tuple[str, str], str] | None = None) -> str:
-    "The GEMM for `weight`: the kernel `setting` forces, else the one `measure` (`time_gemm`) found fastest here (cached)."
-    unsaved = UNSAVED_CHOICES if unsaved is None else unsaved
-    kernels = gemm_kernels(weight.dtype)
-    if setting != "auto":
-        here = list(dict.fromkeys(gemm_kernels() + gemm_kernels(torch.bfloat16)))  # for one dtype or another
-        if setting not in here:
-            raise RuntimeError(f"the CPU GEMM {setting!r} is forced (MINIVLLM_CPU_GEMM) but this torch has only {here}")
-        if setting not in kernels:  # e.g. MKL's, float32's only, on a bfloat16 weight: F.linear, as before packing
-            logging.getLogger("minivllm").info(f"the forced CPU GEMM {setting!r} cannot multiply {weight.dtype} "
-                                               f"weights (it has {kernels}): F.linear multiplies them")
-            return "torch"
-        return setting
-    if len(kernels) == 1:
-        return kernels[0]
-    path, key = cache or gemm_cache_path(), gemm_cache_key(weight, rows)
-    entry = read_gemm_cache(path).get(key)
-    if isinstance(entry, dict) and entry.get("kernel") in kernels:
-        return entry["kernel"]
-    if unsaved.get((str(path), key)) in kernels:  # measured by this process before, but not saved: not again
-        return unsaved[str(path), key]
-    logging.getLogger("minivllm").info(f"timing the CPU GEMMs {kernels} on a {tuple(weight.shape)} weight (once per machine)")
-    before = machine_busy()
-    samples = (measure or time_gemm)(weight, kernels, rows)
-    kernel, elsewhere = pick_gemm(samples), cores_busy_elsewhere(before, machine_busy())
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if not quiet_enough(elsewhere, torch.get_num_threads(), cores):
-        logging.getLogger("minivllm").info(f"other processes kept {elsewhere:.1f} cores busy while the CPU GEMMs were "
-                                           f"timed: {kernel} serves this process, not saved (measured again next start)")
-        unsaved[str(path), key] = kernel
-        return kernel
-    if not save_gemm_choice(path, key, {"kernel": kernel, "rows": list(rows), "relative": relative_times(samples),
-                                        "us_per_call": {k: [round(statistics.median(s) * 1e6, 2) for s in per_rows]
-                                                        for k, per_rows in samples.items()}}):
-        unsaved[str(path), key] = kernel
-    return kernel
-
 # %% ../../nbs/03_parallel_linear.ipynb #36385c9b
 @patch
 def pack_for_cpu(self: LinearBase, gemm: str | None = None) -> bool:
-    "Multiply a CPU weight with the GEMM `choose_gemm` picks for its dtype (or `gemm` forces), packed once; whether it is."
+    "Multiply a CPU weight with the GEMM measured fastest for its dtype and shape (or `gemm` forces), packed once; whether it is."
     w = self.weight
     if self.packed is not None or w.device.type != "cpu" or not w.dtype.is_floating_point:
         return self.packed is not None
@@ -497,7 +206,7 @@ def pack_for_cpu(self: LinearBase, gemm: str | None = None) -> bool:
         # subtle: a 16-bit row-parallel shard at TP > 1 multiplies in float32 (its partials are summed before the one
         # rounding, see RowParallelLinear): its weight becomes float32, packed by float32's choice (twice the bytes)
         w.data = w.data.float()
-    self.packed = pack_weight(w, choose_gemm(w, cpu_gemm_setting(gemm)))
+    self.packed = cpu.packed_weight(w, gemm)  # notebook 03a
     if self.packed is not None:
         w.data = torch.empty(0, dtype=w.dtype)  # subtle: the Parameter (its name, its loader) stays; its memory goes
     return self.packed is not None
