@@ -5,11 +5,8 @@
 # %% ../nbs/13_llm.ipynb #3989ce54
 from __future__ import annotations
 
-import logging
-import sys
 import time
-import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence as Seq
 
@@ -18,10 +15,8 @@ from tqdm.auto import tqdm
 
 from fastcore.basics import patch
 
-from .config import DEFAULT_MODEL, check_text, check_token_ids, has_tokenizer, is_int, model_folder  # noqa: F401  DEFAULT_MODEL: as before
-from .distributed import RankFailure
-from .engine.block_manager import BlockManager
-from .engine.launch import Ranks
+from .config import DEFAULT_MODEL, check_text, check_token_ids, has_tokenizer, is_int  # noqa: F401  DEFAULT_MODEL: as before
+from .engine.llm_engine import LLMEngine, check_params_for_vocab, logger, sample_seed  # noqa: F401  logger, sample_seed: as before
 from .engine.model_runner import EngineArgs, ModelRunner
 from .engine.scheduler import SamplingParams, Scheduler
 from .engine.sequence import Sequence
@@ -29,11 +24,12 @@ from .sampling_params import ParamError
 
 if TYPE_CHECKING:  # the channels' types, for the annotations only: the ranks are notebook 11a's business
     from minivllm.engine.ipc import ShmCommandChannel
+    from minivllm.engine.launch import Ranks
     from minivllm.cluster.multinode import GlooCommandChannel
 
 # %% auto #0
-__all__ = ['logger', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer', 'CompletionText', 'Request', 'LLM',
-           'encode_prompt', 'check_params_for_model', 'sample_seed']
+__all__ = ['CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer', 'CompletionText', 'Request', 'LLM', 'encode_prompt',
+           'check_params_for_model']
 
 # %% ../nbs/13_llm.ipynb #23843fa7
 @dataclass
@@ -71,18 +67,6 @@ class RequestOutput:
         shown = self.text if self.text is not None else self.token_ids
         more = f", {len(self.outputs)} completions" if len(self.outputs) > 1 else ""
         return f"RequestOutput({shown!r}, finish_reason={self.finish_reason!r}, {len(self.token_ids)} tokens{more})"
-
-# %% ../nbs/13_llm.ipynb #aa745e1d
-class _StderrHandler(logging.Handler):
-    "Writes each record to the current `sys.stderr` (which notebooks and test runners replace), as `minivllm: ...`."
-    def emit(self, record: logging.LogRecord) -> None:
-        print(f"minivllm: {self.format(record)}", file=sys.stderr)
-
-logger = logging.getLogger("minivllm")
-if not logger.handlers:  # subtle: as vLLM does, show notices without the application configuring logging
-    logger.addHandler(_StderrHandler())
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
 
 # %% ../nbs/13_llm.ipynb #dee4a972
 def _load_tokenizer(path: Path):
@@ -227,48 +211,43 @@ class Request:
 
 # %% ../nbs/13_llm.ipynb #2c587a97
 class LLM:
-    "An inference engine for one Hugging Face checkpoint, split over `tensor_parallel_size` ranks."
+    "An inference engine for one Hugging Face checkpoint, split over `tensor_parallel_size` ranks: a tokenizer around an `LLMEngine`."
     def __init__(self, model: str | Path | None = None, tensor_parallel_size: int = 1, dtype: str | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  kvcache_block_size: int = 16, enforce_eager: bool = False, seed: int = 0, skip_tokenizer_init: bool = False,
                  **engine_kwargs):
-        model = model_folder(model)  # a folder, a hub id, or the packaged model (notebook 00)
-        args = EngineArgs(model, tensor_parallel_size, dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
-                          kvcache_block_size, enforce_eager, seed, **engine_kwargs)
-        self.config = args.model_config()  # checks the checkpoint and the TP size before any process starts
-        self.args = args = args.resolved(self.config)
-        # skip_tokenizer_init: prompts and outputs are token ids only (the engine-core process's way, notebook 13a)
-        self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(model)
+        self.engine = LLMEngine(model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, max_model_len=max_model_len,
+                                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                kvcache_block_size=kvcache_block_size, enforce_eager=enforce_eager, seed=seed,
+                                **engine_kwargs)
+        try:  # skip_tokenizer_init: prompts and outputs are token ids only
+            self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(Path(self.args.model))
+        except BaseException:
+            self.close()
+            raise
         self._requests: dict[int, tuple[Request, int]] = {}  # live sequence id -> (its request, its index there)
-        self.ranks = Ranks(args)  # every rank's process, started and stopped in one place (notebook 11a)
-        self._finalizer = weakref.finalize(self, self.ranks.close)  # subtle: holds the ranks, not the LLM
-        self.args = args = self.ranks.start()  # on failure, what had started is stopped
-        self.scheduler = Scheduler(BlockManager(self.runner.num_blocks, args.kvcache_block_size), args.max_num_seqs,
-                                   args.max_num_batched_tokens, args.max_model_len, self.config.eos_token_ids)
 
+    # the engine's parts, by their names (notebook 11b)
     @property
-    def runner(self) -> ModelRunner:
-        "Rank 0's model runner."
-        if self.ranks.runner is None:
-            raise RuntimeError("this LLM is closed (or failed): create a new one")
-        return self.ranks.runner
-
+    def config(self): return self.engine.config
     @property
-    def channel(self) -> ShmCommandChannel | None:
-        "The command channel to the worker ranks on this machine (None when there are none)."
-        return self.ranks.channel
-
+    def args(self) -> EngineArgs: return self.engine.args
     @property
-    def remote(self) -> GlooCommandChannel | None:
-        "The command channel to the ranks on other machines (None with one machine)."
-        return self.ranks.remote
-
+    def scheduler(self) -> Scheduler: return self.engine.scheduler
     @property
-    def closed(self) -> bool: return self.ranks.closed
+    def ranks(self) -> Ranks: return self.engine.ranks
+    @property
+    def runner(self) -> ModelRunner: return self.engine.runner
+    @property
+    def channel(self) -> ShmCommandChannel | None: return self.engine.channel
+    @property
+    def remote(self) -> GlooCommandChannel | None: return self.engine.remote
+    @property
+    def closed(self) -> bool: return self.engine.closed
 
     def close(self) -> None:
         "Stop the worker processes, free the shared memory and leave the process group. Idempotent."
-        self._finalizer()
+        self.engine.close()
 
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
@@ -299,9 +278,7 @@ def check_params_for_model(params: SamplingParams, tokenizer, vocab_size: int, m
     "`ValueError` if `params` ask for what this model cannot give: stop strings without a tokenizer, a bias past the vocabulary."
     if params.stop and tokenizer is None:
         raise ValueError(f"stop strings need a tokenizer, and {model} has none: use stop_token_ids")
-    if params.logit_bias and max(params.logit_bias) >= vocab_size:
-        raise ParamError("logit_bias", f"logit_bias names token {max(params.logit_bias)}, out of range for a "
-                         f"vocabulary of {vocab_size}")
+    check_params_for_vocab(params, vocab_size)  # the engine's own check (notebook 11b)
 
 @patch
 def get_tokenizer(self: LLM):
@@ -313,10 +290,6 @@ def _prompt_ids(self: LLM, prompt) -> tuple[str | None, list[int]]:
     "`(text, token_ids)` of a prompt, by this engine's tokenizer and vocabulary (`encode_prompt`)."
     return encode_prompt(prompt, self.tokenizer, self.config.vocab_size, self.args.model)
 
-def sample_seed(seed: int | None, index: int) -> int | None:
-    "The seed of a prompt's `index`-th completion: the request's own for the first, a distinct one derived from it after."
-    return seed if seed is None or index == 0 else hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
-
 @patch
 def add_request(self: LLM, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                 request_id: str | None = None, stream: bool = False, must_fit: bool = False) -> Request:
@@ -324,15 +297,11 @@ def add_request(self: LLM, prompt: str | list[int], sampling_params: SamplingPar
     if self.closed:
         raise RuntimeError("this LLM is closed: create a new one to add requests")
     text, ids = self._prompt_ids(prompt)
-    seqs = [self.scheduler.add(ids, sampling_params, must_fit=must_fit)]  # checks its parameters, length and room
-    params = seqs[0].sampling_params
+    seqs = self.engine.add(ids, sampling_params, must_fit=must_fit)  # checks its parameters, length and room
     try:
-        check_params_for_model(params, self.tokenizer, self.config.vocab_size, self.args.model)
-        for i in range(1, params.n):  # the other samples of the prompt share its blocks (notebook 09)
-            own = replace(params, seed=sample_seed(params.seed, i))
-            seqs.append(self.scheduler.add(ids, own, shares_prompt_with=seqs[0]))
+        check_params_for_model(seqs[0].sampling_params, self.tokenizer, self.config.vocab_size, self.args.model)
     except BaseException:
-        for seq in seqs: self.scheduler.abort(seq)
+        self.engine.abort(seqs)
         raise
     request = Request(request_id if request_id is not None else str(seqs[0].seq_id), text, seqs, self.tokenizer, stream)
     self._requests.update({seq.seq_id: (request, i) for i, seq in enumerate(seqs)})
@@ -341,38 +310,24 @@ def add_request(self: LLM, prompt: str | list[int], sampling_params: SamplingPar
 @patch
 def abort_request(self: LLM, request: Request, index: int | None = None, reason: str = "abort") -> None:
     "Stop a request now, wherever it is (or only its completion `index`): its sequences finish with `reason`, their blocks free."
-    for seq in request.seqs if index is None else request.seqs[index:index + 1]:
-        self.scheduler.abort(seq, reason)
+    seqs = request.seqs if index is None else request.seqs[index:index + 1]
+    self.engine.abort(seqs, reason)
+    for seq in seqs:
         self._requests.pop(seq.seq_id, None)
 
 # %% ../nbs/13_llm.ipynb #f6add91c
 @patch
 def step(self: LLM) -> tuple[list[Sequence], dict]:
-    "Schedule and compute one batch; the sequences it finished, and its stats (kind, tokens, seconds, sequence ids)."
-    start = time.perf_counter()
-    self.runner  # raises if the engine is closed
-    batch = self.scheduler.schedule()
-    try:
-        output = self.ranks.run(batch)  # every rank's share (notebook 11a); what follows is what a long-lived engine adds
-    except BaseException as e:
-        failure = self.ranks.failure() if isinstance(e, Exception) else None
-        self.close()
-        if failure is not None:
-            raise RankFailure(f"the engine has shut down: {failure}") from e
-        if isinstance(e, KeyboardInterrupt):
-            raise KeyboardInterrupt("interrupted in the middle of a step: the engine has shut down") from e
-        raise
-    finished = self.scheduler.postprocess(batch, *output)
-    for seq, sampled in zip(batch.seqs, batch.samples):  # the text of each new token, and the stop strings
-        if sampled and seq.seq_id in self._requests:
+    "One engine step, then the text of its new tokens and the stop strings; the sequences it finished, and its stats."
+    finished, stats = self.engine.step()
+    for seq in stats["sampled"]:  # the text of each new token, and the stop strings
+        if seq.seq_id in self._requests:
             request, i = self._requests[seq.seq_id]
             if request.update(i) and not seq.is_finished:
-                self.scheduler.abort(seq, "stop")
+                self.engine.abort([seq], "stop")
                 finished.append(seq)
     for seq in finished:
         self._requests.pop(seq.seq_id, None)
-    stats = dict(prefill=batch.is_prefill, tokens=batch.num_batched_tokens, seconds=time.perf_counter() - start,
-                 seq_ids=[s.seq_id for s in batch.seqs])
     return finished, stats
 
 # %% ../nbs/13_llm.ipynb #859dbf4e

@@ -20,7 +20,8 @@ import msgspec
 import zmq
 
 from ..distributed import RankFailure, RankProcess, process_state
-from ..llm import LLM, Request, logger
+from ..engine.llm_engine import LLMEngine, logger
+from ..engine.sequence import Sequence
 from ..sampling_params import SamplingParams
 from ..shm import sweep_stale_segments
 from fastcore.basics import patch
@@ -149,50 +150,53 @@ SOCKET_FOLDER_PREFIX = "minivllm-core-"  # the private folder of an engine core'
 
 class EngineCore:
     "The scheduler and the model behind messages: `add` and `abort` requests, `step` into one `StepOutputs`."
-    def __init__(self, llm: LLM, record_steps: bool = False):
-        self.llm, self.record_steps = llm, record_steps
-        self.requests: dict[str, Request] = {}  # live requests by id
+    def __init__(self, engine: LLMEngine, record_steps: bool = False):
+        self.engine, self.record_steps = engine, record_steps
+        self.requests: dict[str, list[Sequence]] = {}  # live requests by id: their sequences
         self.owner: dict[int, tuple[str, int]] = {}  # live sequence id -> (its request's id, its index there)
         self.sent: dict[int, int] = {}  # live sequence id -> completion tokens already sent
         self.counts = dict(prompt_tokens=0, generation_tokens=0, peak_running=0, steps=0)
 
     @property
-    def has_work(self) -> bool: return not self.llm.scheduler.is_finished()
+    def has_work(self) -> bool: return not self.engine.scheduler.is_finished()
 
     def add(self, message: AddRequest) -> Rejected | None:
         "Queue a request; a `Rejected` saying why if it is bad (nothing is queued then)."
         if message.request_id in self.requests:
             return Rejected(message.request_id, "ValueError", f"a request with id {message.request_id!r} is already "
                             "running: give each request its own id")
+        if message.params.stop:  # subtle: text is the front end's; the core sees token ids only
+            return Rejected(message.request_id, "ValueError", "stop strings are the front end's to apply (the engine "
+                            "core has no tokenizer): send stop_token_ids, or abort the request when its text stops")
         try:
-            request = self.llm.add_request(message.prompt_token_ids, message.params, request_id=message.request_id,
-                                           stream=True, must_fit=message.must_fit)
+            seqs = self.engine.add(message.prompt_token_ids, message.params, must_fit=message.must_fit)
         except (ValueError, TypeError) as e:
             return Rejected(message.request_id, type(e).__name__, str(e))
         except Exception as e:  # subtle: whatever one request trips over, it alone is refused; the others go on
             return Rejected(message.request_id, "ValueError", f"the engine cannot take this request "
                             f"({type(e).__name__}: {e})")
-        self.requests[message.request_id] = request
-        for i, seq in enumerate(request.seqs):
+        self.requests[message.request_id] = seqs
+        for i, seq in enumerate(seqs):
             self.owner[seq.seq_id], self.sent[seq.seq_id] = (message.request_id, i), 0
         self.counts["prompt_tokens"] += len(message.prompt_token_ids)
         return None
 
     def abort(self, message: Abort) -> None:
         "Stop a request, or one of its completions, now (a no-op for one that has ended)."
-        request = self.requests.get(message.request_id)
-        if request is None or (message.index is not None and not 0 <= message.index < len(request.seqs)):
+        seqs = self.requests.get(message.request_id)
+        if seqs is None or (message.index is not None and not 0 <= message.index < len(seqs)):
             return
-        self.llm.abort_request(request, message.index, message.reason)
-        for seq in request.seqs if message.index is None else [request.seqs[message.index]]:
+        ended = seqs if message.index is None else [seqs[message.index]]
+        self.engine.abort(ended, message.reason)
+        for seq in ended:
             self._forget(seq.seq_id)
 
     def _forget(self, seq_id: int) -> None:
         "A sequence has ended and its end was sent (or nobody waits for it): drop it, and its request once all are."
         request_id, _ = self.owner.pop(seq_id, (None, None))
         self.sent.pop(seq_id, None)
-        request = self.requests.get(request_id)
-        if request is not None and not any(s.seq_id in self.owner for s in request.seqs):
+        seqs = self.requests.get(request_id)
+        if seqs is not None and not any(s.seq_id in self.owner for s in seqs):
             del self.requests[request_id]
 
 # %% ../../nbs/13a_engine_core.ipynb #f2eddcac
@@ -200,14 +204,14 @@ class EngineCore:
 def step(self: EngineCore) -> StepOutputs:
     "Run one step; what it added to each completion, and the stats after it."
     start = time.perf_counter()
-    finished, info = self.llm.step()
+    finished, info = self.engine.step()
     touched = dict.fromkeys(info["seq_ids"] + [s.seq_id for s in finished])  # in batch order, once each
     deltas, requests = [], []
     for seq_id in touched:
         if (owner := self.owner.get(seq_id)) is None:
             continue
         request_id, i = owner
-        seq = self.requests[request_id].seqs[i]
+        seq = self.requests[request_id][i]
         sent = self.sent[seq_id]
         new = seq.token_ids[seq.num_prompt_tokens + sent:]
         requests.append(request_id)
@@ -229,7 +233,7 @@ def step(self: EngineCore) -> StepOutputs:
 @patch
 def stats(self: EngineCore) -> EngineStats:
     "The engine now: requests, blocks, and the counts so far."
-    c, sched, blocks = self.counts, self.llm.scheduler, self.llm.scheduler.block_manager
+    c, sched, blocks = self.counts, self.engine.scheduler, self.engine.scheduler.block_manager
     return EngineStats(len(sched.running), len(sched.waiting), blocks.num_blocks - blocks.num_free_blocks,
                        blocks.num_free_blocks, c["prompt_tokens"], c["generation_tokens"], sched.num_preemptions,
                        c["steps"], c["peak_running"])
@@ -274,24 +278,24 @@ def run_engine_core(engine_kwargs: dict, inbox_address: str, outbox_address: str
     inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     inbox.connect(inbox_address)
     outbox.connect(outbox_address)
-    write, llm = msgspec.msgpack.Encoder().encode, None
+    write, engine = msgspec.msgpack.Encoder().encode, None
     try:
-        llm = LLM(**engine_kwargs, skip_tokenizer_init=True)
-        if llm.runner.threads is not None:  # subtle: the front end's work is the engine's own, not another program's load
-            llm.runner.threads.pids.add(parent_pid)
-        pids = sorted(p.pid for p in llm.channel.processes.values()) if llm.channel is not None else []
+        engine = LLMEngine(**engine_kwargs)
+        if engine.runner.threads is not None:  # subtle: the front end's work is the engine's own, not another program's load
+            engine.runner.threads.pids.add(parent_pid)
+        pids = sorted(p.pid for p in engine.channel.processes.values()) if engine.channel is not None else []
         # subtle: the millions of objects that torch, transformers and the model made at start live as long as the
         # process: freezing them spares every later full collection of the garbage collector a walk through them
         gc.collect()
         gc.freeze()
-        outbox.send(write(Ready(llm.runner.num_blocks, pids)))
-        engine_core_loop(EngineCore(llm, record_steps), inbox, outbox, parent_pid)
+        outbox.send(write(Ready(engine.runner.num_blocks, pids)))
+        engine_core_loop(EngineCore(engine, record_steps), inbox, outbox, parent_pid)
     except BaseException as e:
         outbox.send(write(Failed(type(e).__name__, str(e) or type(e).__name__)))
         raise SystemExit(1) from None
     finally:
-        if llm is not None:
-            llm.close()
+        if engine is not None:
+            engine.close()
         inbox.close(linger=0)
         outbox.close(linger=2000)  # subtle: long enough to deliver the last message, bounded if nobody reads
         context.term()
