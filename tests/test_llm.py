@@ -88,10 +88,10 @@ def test_greedy_matches_with_preemption_prefix_hits_and_chunked_prefill(case, tp
 
 def as_if_cores_were_shared(llm: LLM, monkeypatch) -> list[int]:
     "Make the engine's ThreadPolicy see another process on one of two cores, with tiny prefills worth streams; the streams' counts."
-    from minivllm.engine import model_runner
+    from minivllm.cpu import threads
     policy, runner = llm.runner.threads, llm.runner
     policy.max_threads, policy.choose = 2, lambda: 1
-    monkeypatch.setattr(model_runner, "MIN_STREAM_TOKENS", 4)
+    monkeypatch.setattr(threads, "MIN_STREAM_TOKENS", 4)
     counts, streamed = [], runner._streamed_hidden
     runner._streamed_hidden = lambda parts, kv_cache: counts.append(len(parts)) or streamed(parts, kv_cache)
     return counts

@@ -229,7 +229,7 @@ def descendants(pid: int) -> list[int]:
 
 def cpu_seconds(server_pid: int) -> dict[str, float]:
     "CPU seconds so far of a server's own process, of the processes under it (its engine), and of this one (the client)."
-    from minivllm.engine.model_runner import process_ticks
+    from minivllm.cpu.threads import process_ticks
     hz = os.sysconf("SC_CLK_TCK")
     return {"server": process_ticks([server_pid]) / hz, "engine": process_ticks(descendants(server_pid)) / hz,
             "client": time.process_time()}

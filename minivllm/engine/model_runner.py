@@ -11,7 +11,6 @@ import itertools
 import logging
 import math
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,6 +21,7 @@ import socket
 import torch
 from fastcore.basics import patch
 
+from .. import cpu
 from ..config import Config, check_known_fields, check_positive_int, is_int
 from ..distributed import NodeLayout, ProcessGroupCommunicator, default_device
 from ..shm_allreduce import make_communicator
@@ -35,10 +35,9 @@ if TYPE_CHECKING:  # subtle: several machines (notebooks 09a, 10a) are imported 
     from minivllm.cluster.wire import ClusterKey
 
 # %% auto #0
-__all__ = ['MIN_STREAM_TOKENS', 'PROMPT_LOGPROB_ROWS', 'EngineArgs', 'StepInputs', 'SamplingInputs', 'StepOutput',
-           'available_memory_bytes', 'cpu_kv_cache_budget', 'cuda_kv_cache_budget', 'blocks_for_budget',
-           'threads_for_load', 'cpu_ticks', 'process_ticks', 'ThreadPolicy', 'prefill_streams', 'split_step',
-           'ModelRunner', 'run_batch', 'run_until_done']
+__all__ = ['PROMPT_LOGPROB_ROWS', 'EngineArgs', 'StepInputs', 'SamplingInputs', 'StepOutput', 'available_memory_bytes',
+           'cpu_kv_cache_budget', 'cuda_kv_cache_budget', 'blocks_for_budget', 'split_step', 'ModelRunner', 'run_batch',
+           'run_until_done']
 
 # %% ../../nbs/11_model_runner.ipynb #a6f39f7a
 @dataclass
@@ -262,83 +261,7 @@ def blocks_for_budget(budget_bytes: int, bytes_per_block: int, max_useful_blocks
     "How many blocks fit in `budget_bytes` (at most `max_useful_blocks`; 0 if none)."
     return max(0, min(budget_bytes // bytes_per_block, max_useful_blocks))
 
-# %% ../../nbs/11_model_runner.ipynb #623ffe4d
-def threads_for_load(cores: int, busy_elsewhere: float, world_size: int, max_threads: int) -> int:
-    "Intra-op threads per rank: the cores other processes leave free, shared by the ranks (1 to `max_threads`)."
-    # subtle: each op waits at a barrier for its slowest thread, so a core that others use even part of the
-    # time slows every op down; a quarter of a core used elsewhere already takes a core away.
-    return max(1, min(max_threads, math.floor((cores - busy_elsewhere + 0.25) / world_size)))
-
-# %% ../../nbs/11_model_runner.ipynb #1f1753e5
-def cpu_ticks(cpus: set[int], stat: str = "/proc/stat") -> tuple[int, int]:
-    "`(busy, total)` clock ticks of these CPUs since boot; steal time (a hypervisor's other guests) counts as busy."
-    busy = total = 0
-    with open(stat) as f:
-        for line in f:
-            if line.startswith("cpu") and line[3].isdigit() and int(line.split()[0][3:]) in cpus:
-                user, nice, system, idle, iowait, irq, softirq, steal = map(int, line.split()[1:9])
-                busy += user + nice + system + irq + softirq + steal
-                total += user + nice + system + idle + iowait + irq + softirq + steal
-    return busy, total
-
-def process_ticks(pids) -> int:
-    "User + system clock ticks of these processes (every thread); a process that is gone counts 0."
-    ticks = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # subtle: the command name may hold spaces and ')'
-        except OSError:
-            continue
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks
-
-class ThreadPolicy:
-    "Rank 0's intra-op threads per rank: re-chosen every `interval_s` from the load other processes put on our cores."
-    def __init__(self, world_size: int, fixed: int | None = None, interval_s: float = 0.5):
-        self.cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-        self.world_size, self.fixed, self.interval_s = world_size, fixed, interval_s
-        self.max_threads = max(1, len(self.cpus) // world_size)
-        self.threads = fixed or self.max_threads
-        self.pids = {os.getpid()}  # the engine's processes: their own use is not load (the engine adds its workers)
-        self.busy_elsewhere: float | None = None  # cores' worth used by other processes in the last interval
-        self._last = self._sample()
-
-    def _sample(self) -> tuple[float, int, int, int] | None:
-        "`(time, busy, total, ours)` now, or None where /proc cannot tell (the threads then stay as they are)."
-        if self.fixed is not None or self.max_threads == 1:
-            return None
-        try:
-            return (time.monotonic(), *cpu_ticks(self.cpus), process_ticks(self.pids))
-        except (OSError, ValueError):
-            return None
-
-    def choose(self) -> int:
-        "The threads per rank for the next step."
-        if self._last is None or time.monotonic() - self._last[0] < self.interval_s:
-            return self.threads
-        now = self._sample()
-        if now is not None and now[2] > self._last[2]:
-            (_, busy0, total0, ours0), (_, busy, total, ours) = self._last, now
-            self.busy_elsewhere = max(0.0, ((busy - busy0) - (ours - ours0)) / (total - total0) * len(self.cpus))
-            self.threads = threads_for_load(len(self.cpus), self.busy_elsewhere, self.world_size, self.max_threads)
-        self._last = now
-        return self.threads
-
-    def __repr__(self) -> str:
-        load = "?" if self.busy_elsewhere is None else f"{self.busy_elsewhere:.2f}"
-        return (f"ThreadPolicy({self.threads} of {self.max_threads} threads per rank, {len(self.cpus)} cores, "
-                f"{load} busy elsewhere{', fixed' if self.fixed else ''})")
-
 # %% ../../nbs/11_model_runner.ipynb #daeb0912
-MIN_STREAM_TOKENS = 256  # a prefill stream's fewest tokens: fewer rows and its GEMMs fall below the machine's peak
-
-def prefill_streams(num_new_tokens: list[int], threads: int, max_threads: int) -> int:
-    "How many streams of one thread a CPU prefill runs in: one per core we may use when others share them, else 1."
-    if threads >= max_threads:
-        return 1  # subtle: on cores of our own, the intra-op threads split each op evenly: as fast, one stream
-    return max(1, min(max_threads, len(num_new_tokens), sum(num_new_tokens) // MIN_STREAM_TOKENS))
-
 def split_step(step: StepInputs, parts: int) -> list[StepInputs]:
     "The step's sequences in `parts` consecutive groups (fewer if it has fewer sequences) of about equal new tokens."
     check_positive_int("parts", parts)
@@ -373,7 +296,7 @@ class ModelRunner:
         self.config = Config.from_pretrained(args.model, tensor_parallel_size=self.world_size, dtype=args.dtype)
         self.threads = None  # rank 0 on the CPU: the ThreadPolicy that picks each step's threads per rank
         if args.device == "cpu":
-            policy = ThreadPolicy(self.layout.ranks_per_node, fixed=args.num_threads)
+            policy = cpu.ThreadPolicy(self.layout.ranks_per_node, fixed=args.num_threads)  # notebook 04b
             torch.set_num_threads(policy.threads)
             self.threads = policy if rank == 0 else None
         elif args.device == "cuda" and self.world_size == 1:
@@ -535,7 +458,7 @@ def _num_streams(self: ModelRunner, step: StepInputs) -> int:
     # subtle: ranks' collectives must meet in one order, which streams of a rank would not keep: TP runs one stream
     if policy is None or policy.fixed is not None or self.world_size > 1 or not step.is_prefill or step.prompt_logprob_rows:
         return 1
-    return prefill_streams(step.num_new_tokens, step.num_threads or policy.threads, policy.max_threads)
+    return cpu.prefill_streams(step.num_new_tokens, step.num_threads or policy.threads, policy.max_threads)
 
 @patch
 def _streamed_hidden(self: ModelRunner, parts: list[StepInputs], kv_cache: torch.Tensor) -> torch.Tensor:
