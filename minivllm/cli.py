@@ -169,7 +169,8 @@ def _add_serve(sub) -> None:
                    help="the address to listen on (default: %(default)s, this machine only; 0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000, help="the port to listen on, 0 = any free one (default: %(default)s)")
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 requests (default: none; also MINIVLLM_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1 requests (default: none). Prefer the variable "
+                        "MINIVLLM_API_KEY: a key on the command line is visible to every local user in `ps`")
     s.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: MODEL as given, or minivllm-default)")
     s.add_argument("--max-num-seqs", type=int, default=256, help="the most requests in one batch (default: %(default)s)")

@@ -6,8 +6,12 @@
 from __future__ import annotations
 
 import faulthandler
+import hashlib
+import hmac
+import logging
 import os
 import pickle
+import secrets
 import select
 import signal
 import socket
@@ -28,9 +32,10 @@ import torch.distributed as dist
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['divide', 'Communicator', 'CountingCommunicator', 'describe_exit', 'RankProcess', 'free_port', 'listen_socket',
-           'RankFailure', 'process_state', 'PeerWatch', 'NodeLayout', 'default_device', 'default_backend',
-           'store_server', 'ProcessGroupCommunicator', 'shutdown_groups', 'run_on_ranks', 'end_processes']
+__all__ = ['log', 'divide', 'Communicator', 'CountingCommunicator', 'describe_exit', 'RankProcess', 'free_port', 'listen_socket',
+           'RankFailure', 'process_state', 'PeerWatch', 'NodeLayout', 'StoreKey', 'SignedStore', 'ClosableStore',
+           'default_device', 'default_backend', 'store_server', 'ProcessGroupCommunicator', 'shutdown_groups',
+           'run_on_ranks', 'end_processes']
 
 # %% ../nbs/01_distributed.ipynb #aff03d8a
 def divide(numerator: int, denominator: int, what: str = "value") -> int:
@@ -296,6 +301,97 @@ class NodeLayout:
         "The ranks that are not on rank 0's machine (they get their commands by broadcast)."
         return list(range(self.ranks_per_node, self.world_size))
 
+# %% ../nbs/01_distributed.ipynb #3d9b6f14
+log = logging.getLogger("minivllm")
+_TAG_BYTES = 32  # HMAC-SHA256
+
+class StoreKey:
+    "A random HMAC-SHA256 key that signs what one engine's ranks put in their rendezvous store."
+    def __init__(self, mac: bytes | None = None):
+        self._mac = mac or secrets.token_bytes(32)
+
+    def _tag(self, data: bytes, label: str) -> bytes:
+        return hmac.new(self._mac, label.encode() + b"\0" + data, hashlib.sha256).digest()
+
+    def sign(self, data: bytes, label: str) -> bytes:
+        "`data` behind its HMAC tag for `label`."
+        return self._tag(data, label) + data
+
+    def verify(self, blob: bytes, label: str, sender: str) -> bytes:
+        "The data of a `sign`ed blob; `ValueError` (naming `sender`) if its tag is not this key's for `label`."
+        data = blob[_TAG_BYTES:]
+        if len(blob) < _TAG_BYTES or not hmac.compare_digest(blob[:_TAG_BYTES], self._tag(data, label)):
+            raise ValueError(f"{label!r} from {sender} fails authentication: no rank of this engine wrote it")
+        return data
+
+    def __repr__(self) -> str: return "StoreKey()"  # subtle: never shows the key
+
+class SignedStore:
+    "A rendezvous `store` whose values are signed with `key` (none: taken as they are): `set` signs, `read` and `get` return only values that pass, warning once about any other."
+    def __init__(self, store: dist.Store, key=None, sender: str = "the rendezvous store"):
+        self.store, self.key, self.sender = store, key, sender
+        self.ignored: set[str] = set()  # keys where a value that failed its signature or its form was found
+
+    def set(self, name: str, data: bytes | str) -> bytes:
+        "Put `data` under `name`, signed; the value as written."
+        data = data.encode() if isinstance(data, str) else data
+        value = self.key.sign(data, name) if self.key is not None else data
+        self.store.set(name, value)
+        return value
+
+    def read(self, name: str, parse: Callable[[bytes], Any] = bytes) -> Any:
+        "`parse` of the data under `name`; None while it is absent, or fails its signature or `parse` (a `ValueError`)."
+        if not self.store.check([name]):
+            return None
+        value = self.store.get(name)
+        try:
+            return parse(self.key.verify(value, name, self.sender) if self.key is not None else value)
+        except ValueError as e:  # subtle: the cluster's `Untrusted` is a ValueError too; so is a failed unpacking
+            if name not in self.ignored:
+                self.ignored.add(name)
+                log.warning(f"ignored {name!r} in {self.sender} ({e}): is someone else writing to the store? "
+                            "(its port must be reachable by the engine's own machines only)")
+            return None
+
+    def get(self, name: str, timeout_s: float, parse: Callable[[bytes], Any] = bytes,
+            peers_alive: Callable[[], None] | None = None) -> Any:
+        "`read`, waiting up to `timeout_s` for a value that passes (checking `peers_alive` meanwhile); `RankFailure` if none comes."
+        deadline = time.monotonic() + timeout_s
+        while (value := self.read(name, parse)) is None:
+            if peers_alive is not None:
+                peers_alive()
+            if time.monotonic() > deadline:
+                why = ": a value that is not a rank's stands in its place" if name in self.ignored else ""
+                raise RankFailure(f"no valid {name!r} came to {self.sender} within {timeout_s:.0f} s{why}")
+            time.sleep(0.02)
+        return value
+
+class ClosableStore(dist.Store):
+    "Passes every call on to `inner` until `close`; then `inner` is let go (rank 0's, with its server and port) while the process groups built on this store live on."
+    def __init__(self, inner: dist.Store):
+        super().__init__()
+        self.inner = inner
+        self.set_timeout(inner.timeout)
+
+    def _inner(self) -> dist.Store:
+        if self.inner is None:
+            raise RuntimeError("the rendezvous store is closed: it lives only while the ranks start")
+        return self.inner
+
+    def set(self, key, value): self._inner().set(key, value)
+    def get(self, key): return self._inner().get(key)
+    def add(self, key, amount): return self._inner().add(key, amount)
+    def compare_set(self, key, expected, desired): return self._inner().compare_set(key, expected, desired)
+    def check(self, keys): return self._inner().check(keys)
+    def delete_key(self, key): return self._inner().delete_key(key)
+    def num_keys(self): return self._inner().num_keys()
+    def wait(self, keys, timeout=None):
+        return self._inner().wait(keys) if timeout is None else self._inner().wait(keys, timeout)
+
+    def close(self) -> None:
+        "Let go of the inner store. Idempotent."
+        self.inner = None
+
 # %% ../nbs/01_distributed.ipynb #ddfea802
 def default_device(ranks_here: int = 1) -> str:
     "`cuda` when this machine has a CUDA GPU for each of its `ranks_here` ranks, else `cpu`."
@@ -325,26 +421,37 @@ def store_server(host: str, port: int, world_size: int, listener: socket.socket 
     finally:
         listener.close()
 
-def _rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float,
+def _joined(data: bytes) -> tuple[str, int]:
+    "A rank's `joined` value as (node, pid). Example: `_joined(b'gpu-a 4242')` -> `('gpu-a', 4242)`."
+    node, _, pid = data.decode("utf-8", "replace").rpartition(" ")
+    if "\ufffd" in node or not node or not pid.isdigit() or int(pid) < 1:
+        raise ValueError(f"{bytes(data[:40])!r} is not a node name and a pid")
+    return node, int(pid)
+
+def _rendezvous(store: SignedStore, rank: int, world_size: int, timeout_s: float,
                 peers_alive: Callable[[], None] | None, node: str | None = None) -> dict[int, tuple[str, int]]:
     "Wait until every rank has joined `store` (checking `peers_alive` meanwhile); each rank's (node, pid), the node being its host name unless given."
-    store.set(f"joined/{rank}", f"{node or socket.gethostname()} {os.getpid()}")
-    keys = [f"joined/{r}" for r in range(world_size)]
+    name = f"joined/{rank}"
+    mine = store.set(name, f"{node or socket.gethostname()} {os.getpid()}")
+    ranks: dict[int, tuple[str, int]] = {}
     # subtle: a plain `store.wait` blocks inside C++ until the timeout, so a rank that died before joining
     # would cost the whole timeout. We poll in short slices and ask `peers_alive` in between.
     deadline = time.monotonic() + timeout_s
-    while not store.check(keys):
+    while True:
+        for r in range(world_size):
+            if r not in ranks and (joined := store.read(f"joined/{r}", _joined)) is not None:
+                ranks[r] = joined
+        if len(ranks) == world_size:
+            return ranks
+        if not store.store.check([name]) or store.store.get(name) != mine:
+            store.store.set(name, mine)  # subtle: a stranger replaced this rank's value: put it back for the others
         time.sleep(0.02)
         if peers_alive is not None:
             peers_alive()
         if time.monotonic() > deadline:
-            joined = sum(store.check([k]) for k in keys)
-            raise RankFailure(f"only {joined} of {world_size} ranks joined the process group within {timeout_s} s")
-    ranks = {}
-    for r in range(world_size):
-        host, pid = store.get(f"joined/{r}").decode().rsplit(" ", 1)
-        ranks[r] = (host, int(pid))
-    return ranks
+            forged = f" (a value that is not a rank's was ignored under {sorted(store.ignored)})" if store.ignored else ""
+            raise RankFailure(f"only {len(ranks)} of {world_size} ranks joined the process group within {timeout_s} s"
+                              + forged)
 
 # %% ../nbs/01_distributed.ipynb #0ef51c05
 class ProcessGroupCommunicator(Communicator):
@@ -356,8 +463,8 @@ class ProcessGroupCommunicator(Communicator):
         self.nodes: dict[int, str] = {}  # rank -> the name of its machine, once connected
         self.address: str | None = None  # the address this rank's gloo listens on, once connected
 
-    def _setup(self, store: dist.Store) -> None:
-        "Hook for subclasses: more set-up that needs the rendezvous store (which is dropped after `connect`)."
+    def _setup(self, store: SignedStore) -> None:
+        "Hook for subclasses: more set-up through the rendezvous store (its values signed; closed after `connect`)."
 
     def _group(self, x: torch.Tensor):
         "The process group that moves `x`: NCCL for CUDA tensors, gloo otherwise."
@@ -462,10 +569,11 @@ def connect(cls: ProcessGroupCommunicator, rank: int | None = None, world_size: 
             listener: socket.socket | None = None, host: str = "127.0.0.1", backend: str | None = None,
             timeout_s: float = 300.0, peers_alive: Callable[[], None] | None = None,
             store: dist.Store | None = None, bind: str | None = None, node: str | None = None,
-            **options) -> ProcessGroupCommunicator:
+            key=None, **options) -> ProcessGroupCommunicator:
     "Join a new group of `world_size` ranks meeting at `host:port` (rank 0 serves it, on `listener` if given); with no arguments, torchrun's variables. `options` go to `_setup`."
     # `store`: a rendezvous store the caller made (and keeps); `bind`: the address this rank's gloo listens on
-    # (default `host`); `node`: the name of this rank's machine (default its host name)
+    # (default `host`); `node`: the name of this rank's machine (default its host name); `key`: signs and checks what
+    # the ranks put in the store (a `StoreKey`, or the cluster's key; None: values are taken as they are)
     timeout = timedelta(seconds=timeout_s)
     env_launch = rank is None and world_size is None and port is None and listener is None and store is None
     if store is not None:
@@ -497,21 +605,28 @@ def connect(cls: ProcessGroupCommunicator, rank: int | None = None, world_size: 
             raise ValueError(f"rank {rank} needs CUDA device {local_rank} but only {torch.cuda.device_count()} "
                              "are visible: lower tensor_parallel_size or use backend='gloo'")
         torch.cuda.set_device(local_rank)
+    # subtle: the process groups keep the store they are built on; built on this one, closed below, they let go of
+    # it, and rank 0's server (with its port) ends once the caller holds no store of its own. By name from the package:
+    # a subclass of torch's Store cannot travel by value to a rank started from a notebook
+    from minivllm.distributed import ClosableStore
+    store = ClosableStore(store)
     try:
-        return cls._join(store, rank, world_size, bind, node, env_launch, backend, timeout_s, peers_alive, options)
+        return cls._join(store, rank, world_size, bind, node, key, env_launch, backend, timeout_s, peers_alive, options)
     except BaseException as e:
         # subtle: a failed start must let go of its sockets now (rank 0's store listens on the port), not when
         # the traceback that references the store from the frames below is dropped: clear those frames' locals.
         traceback.clear_frames(e.__traceback__)
         raise
     finally:
+        store.close()
         del store
 
 @patch(cls_method=True)
-def _join(cls: ProcessGroupCommunicator, store, rank, world_size, bind, node, env_launch, backend, timeout_s, peers_alive, options) -> ProcessGroupCommunicator:
+def _join(cls: ProcessGroupCommunicator, store, rank, world_size, bind, node, key, env_launch, backend, timeout_s, peers_alive, options) -> ProcessGroupCommunicator:
     "The rest of `connect` once the store is up: rendezvous, process groups, set-up, and a first barrier."
     timeout = timedelta(seconds=timeout_s)
-    ranks = _rendezvous(store, rank, world_size, timeout_s, peers_alive, node)
+    signed = SignedStore(store, key)
+    ranks = _rendezvous(signed, rank, world_size, timeout_s, peers_alive, node)
     here = node or socket.gethostname()
     watch = PeerWatch({r: pid for r, (h, pid) in ranks.items() if r != rank and h == here}, peers_alive)
     opts = dist.ProcessGroupGloo._Options()
@@ -530,7 +645,9 @@ def _join(cls: ProcessGroupCommunicator, store, rank, world_size, bind, node, en
     comm = cls(rank, world_size, cpu_group, device_group, watch, timeout_s)
     comm.nodes, comm.address = {r: h for r, (h, _) in ranks.items()}, bind
     try:
-        comm._setup(store, **options)
+        comm._setup(signed, **options)
+        if device_group is not None:  # subtle: NCCL builds its communicator at the first collective, through the store
+            comm.all_reduce(torch.zeros(1, device="cuda"))
         comm.barrier()  # subtle: nobody still reads the store when rank 0's copy (the server) goes away
     except BaseException:
         comm.close()

@@ -15,9 +15,9 @@ import time
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
-from .distributed import Communicator, PeerWatch, ProcessGroupCommunicator, RankFailure, process_state
+from .distributed import (Communicator, PeerWatch, ProcessGroupCommunicator, RankFailure, SignedStore,
+                                  process_state)
 from .shm import attach_shared_memory, create_shared_memory
 from .shm import SEGMENT_PREFIX  # noqa: F401  minivllm.testing imports it from here
 from fastcore.basics import patch
@@ -274,7 +274,7 @@ class ShmCommunicator(ProcessGroupCommunicator):
     "A `ProcessGroupCommunicator` whose collectives of small CPU tensors go through a shared-memory segment."
     shm: ShmAllReduce | None = None
 
-    def _setup(self, store: dist.Store, slot_bytes: int = 1 << 20) -> None:
+    def _setup(self, store: SignedStore, slot_bytes: int = 1 << 20) -> None:
         "Rank 0 creates the segment and posts its name in the store (none: no room), the other ranks attach to it."
         kw = dict(watch=self.watch, timeout_s=self.timeout_s)
         if self.rank == 0:
@@ -283,7 +283,7 @@ class ShmCommunicator(ProcessGroupCommunicator):
             except MemoryError as e:  # a small /dev/shm (a container's 64 MB): slower, but it works
                 logging.getLogger("minivllm").warning(f"collectives go through gloo only: {e}")
             store.set("shm_allreduce", self.shm.name if self.shm is not None else "")
-        elif (name := store.get("shm_allreduce").decode()):
+        elif (name := store.get("shm_allreduce", self.timeout_s, bytes.decode, self.watch and self.watch.check)):
             self.shm = ShmAllReduce.attach(name, self.rank, self.world_size, slot_bytes, **kw)
 
     def _fast(self, x: torch.Tensor) -> ShmAllReduce | None:

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from minivllm import __version__
-from minivllm.cli import main
+from minivllm.cli import main, make_parser
 from minivllm.llm import DEFAULT_MODEL
 from minivllm.testing import (ServerProcess, default_sigint, gone, make_tiny_checkpoint,
                               rank_processes, wait_until)
@@ -357,3 +357,9 @@ def test_generate_takes_a_local_model_as_its_first_argument(capsys, tmp_path, hu
     assert main(["generate", model, "ROMEO.", "--max-tokens", "4", "--temperature", "0", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("ROMEO.") and model not in out
+
+
+def test_the_api_key_help_says_that_the_variable_keeps_the_key_out_of_ps():
+    serve = next(a for a in make_parser()._subparsers._group_actions[0].choices["serve"]._actions
+                 if "--api-key" in a.option_strings)
+    assert "MINIVLLM_API_KEY" in serve.help and "`ps`" in serve.help

@@ -421,3 +421,19 @@ def test_a_store_client_can_neither_stop_the_engine_nor_take_a_node(tiny, cluste
             assert llm.remote.monitor.where(1) == "rank 1"  # not the stranger's name for it
             assert {"error/1", "where/1"} <= llm.remote.monitor.forged
         assert node.wait() == 0
+
+
+@pytest.mark.parametrize("forged", ["garbage", "node 0 (vm) 999999"])
+def test_a_forged_joined_value_is_ignored_and_the_start_completes_with_the_real_worker(tiny, forged):
+    "A stranger writes rank 1's `joined/1` before the worker joins (the probe's crash, and its 'rank 1 (pid 999999) died'): ignored with one warning."
+    with LLM(tiny) as llm:
+        reference = tokens(llm)
+    port = free_port()
+    thread, out = start_engine(tiny, port)
+    stranger(port).set("joined/1", forged)
+    with WorkerNode("127.0.0.1", port) as node:
+        thread.join(120)
+        assert "llm" in out, out
+        with out["llm"] as llm:
+            assert tokens(llm) == reference
+        assert node.wait() == 0

@@ -8,16 +8,17 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import httpx
 import msgspec
 import pytest
 
 from minivllm import SamplingParams
-from minivllm.distributed import process_state
+from minivllm.distributed import free_port, process_state
 from minivllm.serve.core import AddRequest, EngineCoreProcess, Ping, Pong, Rejected, StepOutputs
 from minivllm.testing import (BAD_REQUEST_VALUES as BAD_VALUES, ServerProcess, engine_idle_after, gone, rank_processes,
-                              rss_mib, server_metrics as metrics, wait_until)
+                              rss_mib, server_metrics as metrics, tcp_listeners, wait_until)
 
 @pytest.fixture(scope="module")
 def server(chat_ckpt):
@@ -199,3 +200,33 @@ def test_a_checkpoint_with_integer_weights_is_refused_at_start_in_one_line(chat_
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert f"tensor {name!r} is int8" in lines[-1] and "floating-point weights" in lines[-1], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def flood_store(port: int, writes: int = 150, size: int = 4 << 20) -> int:
+    "The trust probe's flood: `writes` values of `size` random bytes under new keys in a store at 127.0.0.1:`port`; how many it took."
+    import torch.distributed as dist
+    taken = 0
+    try:
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=3))
+        for i in range(writes):
+            client.set(f"junk/{i}", os.urandom(size))
+            taken += 1
+    except RuntimeError:  # refused (nothing listens), or the connection was closed
+        pass
+    return taken
+
+
+def test_a_flood_of_the_rendezvous_port_while_serving_at_tp2_leaves_the_engine_core_flat(chat_ckpt):
+    "150 values of 4 MiB under new keys at the rendezvous port (the probe's 680 -> 1,288 MiB): no store listens once the ranks have started."
+    port = free_port()
+    with ServerProcess("--model", str(chat_ckpt), "--max-model-len", "256", "--served-model-name", "tiny", "--tp", "2",
+                       "--master-port", str(port)) as server:
+        [core] = rank_processes(server.proc.pid)
+        good = {"model": "tiny", "prompt": "Hello", "max_tokens": 4}
+        assert httpx.post(server.url + "/v1/completions", json=good, timeout=60).status_code == 200
+        before = rss_mib(core)
+        assert flood_store(port) == 0
+        after = rss_mib(core)
+        assert after - before < 20, (before, after)
+        assert not any(a.endswith(f":{port}") for a in tcp_listeners([core, *rank_processes(core)]))
+        assert httpx.post(server.url + "/v1/completions", json=good, timeout=60).status_code == 200

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from fastcore.basics import patch
 
-from ..distributed import NodeLayout, RankFailure, listen_socket, store_server
+from ..distributed import NodeLayout, RankFailure, StoreKey, listen_socket, store_server
 from .ipc import ShmCommandChannel
 from .model_runner import EngineArgs, ModelRunner, StepOutput, run_batch
 from .scheduler import ScheduledBatch
@@ -77,7 +77,8 @@ def _start(self: Ranks, args: EngineArgs) -> EngineArgs:
         raise ValueError(f"cannot listen on {args.master_addr}:{args.master_port} ({e.strerror or e}): name an address "
                          "of this machine that the other machines reach (`ip -brief address` lists them), and a "
                          "free port") from None
-    store = monitor = key = None
+    store = monitor = None
+    key = StoreKey()  # signs what this machine's ranks put in the store (several machines: the cluster's key)
     try:
         port = listener.getsockname()[1]
         if args.nnodes > 1:  # the other machines read the engine's arguments from the store, and beat in it
@@ -89,8 +90,7 @@ def _start(self: Ranks, args: EngineArgs) -> EngineArgs:
             key, monitor = self._publish(store, args, port)
         if layout.ranks_per_node > 1:
             self.channel = ShmCommandChannel(layout.ranks_per_node - 1)
-            self.channel.start_workers(partial(ModelRunner, cluster_key=key) if key is not None else ModelRunner,
-                                       args, port)
+            self.channel.start_workers(partial(ModelRunner, cluster_key=key), args, port)
 
         def peers_alive() -> None:
             if self.channel is not None: self.channel.check()

@@ -285,7 +285,7 @@ class ModelRunner:
                  peers_alive: Callable[[], None] | None = None, listener: socket.socket | None = None,
                  store=None, node_addr: str | None = None, cluster_key: ClusterKey | None = None):
         self.rank, self.args, self.world_size = rank, args, args.tensor_parallel_size
-        self.cluster_key = cluster_key  # several machines: the key every rank proves it holds (notebook 10a)
+        self.cluster_key = cluster_key  # signs what the ranks put in the store; across machines every rank proves it (10a)
         self.layout = NodeLayout(self.world_size, args.nnodes)
         self.block_size = args.kvcache_block_size
         self.device = torch.device(f"cuda:{self.layout.local_rank(rank)}" if args.device == "cuda" else "cpu")
@@ -314,7 +314,7 @@ class ModelRunner:
         args = self.args
         if args.nnodes == 1:
             return make_communicator(self.rank, self.world_size, port, device=args.device, timeout_s=args.timeout_s,
-                                     peers_alive=peers_alive, slot_bytes=self._slot_bytes(),
+                                     peers_alive=peers_alive, slot_bytes=self._slot_bytes(), key=self.cluster_key,
                                      **({"listener": listener} if listener is not None else {}))
         # several machines: no shared memory between them, so every collective goes through the process groups
         from minivllm.cluster.multinode import STALE_S, node_label, prove_membership
@@ -323,7 +323,7 @@ class ModelRunner:
         comm = ProcessGroupCommunicator.connect(
             self.rank, self.world_size, port, store=store, host=args.master_addr, bind=node_addr or args.master_addr,
             node=node_label(self.layout.node_of(self.rank)), backend="nccl" if args.device == "cuda" else "gloo",
-            timeout_s=args.timeout_s, peers_alive=peers_alive)
+            timeout_s=args.timeout_s, peers_alive=peers_alive, key=self.cluster_key)
         comm.watch.settle_s = STALE_S + 1  # subtle: a collective a remote rank broke waits for its heartbeat to name it
         try:
             prove_membership(comm, self.cluster_key)  # no stranger in the group, whatever it wrote to the store

@@ -10,6 +10,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -41,11 +42,11 @@ from fastcore.basics import patch
 __all__ = ['MAX_REQUEST_BYTES', 'MAX_N', 'MAX_LOGPROBS', 'MAX_COMPLETION_LOGPROBS', 'MAX_PROMPTS_PER_REQUEST',
            'MAX_QUEUED_TOKENS', 'HEALTH_TIMEOUT_S', 'SERVE_MAX_NUM_BATCHED_TOKENS', 'StreamOptions', 'SamplingFields',
            'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'TokenizeRequest', 'DetokenizeRequest',
-           'AsciiJSONResponse', 'error_response', 'validation_message', 'is_json_content_type', 'http_error_message',
-           'check_limit', 'BodyLimit', 'longest_token_chars', 'PromptEncoder', 'usage', 'LogprobFormat', 'sse',
-           'OpenAIReply', 'EngineCollector', 'ServerMetrics', 'RequestTimer', 'generate_all', 'batch_window',
-           'Overloaded', 'ClientGone', 'OpenAIServer', 'until_disconnected', 'chat_messages', 'ApiKeyCheck',
-           'AnswerFailures', 'build_app', 'bind_socket', 'use_chat_template', 'serve']
+           'AsciiJSONResponse', 'one_line', 'error_response', 'validation_message', 'is_json_content_type',
+           'http_error_message', 'check_limit', 'BodyLimit', 'longest_token_chars', 'PromptEncoder', 'usage',
+           'LogprobFormat', 'sse', 'OpenAIReply', 'EngineCollector', 'ServerMetrics', 'RequestTimer', 'generate_all',
+           'batch_window', 'Overloaded', 'ClientGone', 'OpenAIServer', 'until_disconnected', 'chat_messages',
+           'ApiKeyCheck', 'AnswerFailures', 'build_app', 'bind_socket', 'use_chat_template', 'serve']
 
 # %% ../../nbs/13c_server.ipynb #ebfbba7b
 class StreamOptions(BaseModel):
@@ -125,10 +126,23 @@ class AsciiJSONResponse(JSONResponse):
     def render(self, content) -> bytes:
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
+_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Failure|Interrupt|Exit)\b(:.*)?")
+
+def one_line(message: str, limit: int = 400) -> str:
+    "A message for a client in one line: its first, and after a colon the exception a traceback ends with; at most `limit` characters."
+    # subtle: an engine's death carries a rank's traceback and log lines (CPU notes, module lists) that only the
+    # server's log should keep
+    lines = [l.strip() for l in str(message).splitlines() if l.strip()]
+    if not lines:
+        return "the server failed"
+    raised = [l for l in lines[1:] if _EXCEPTION_LINE.fullmatch(l)] if lines[0].endswith(":") else []
+    line = lines[0] + (f" {raised[-1]}" if raised else "")
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None, headers: dict | None = None) -> JSONResponse:
-    "An error as OpenAI's API returns it."
-    return AsciiJSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+    "An error as OpenAI's API returns it, its message in one line."
+    return AsciiJSONResponse({"error": {"message": one_line(message), "type": kind, "param": param, "code": code}},
                              status_code=status, headers=headers)
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -664,7 +678,7 @@ async def respond(self: OpenAIServer, body: SamplingFields, prompts: list[list[i
             if include_usage:
                 yield reply.usage_chunk()
         except Exception as e:  # the engine stopped mid-stream: say so in the stream, then end it
-            yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+            yield sse({"error": {"message": one_line(str(e)), "type": "server_error", "param": None, "code": None}})
         yield "data: [DONE]\n\n"
     return StreamingResponse(events(), media_type="text/event-stream")
 
