@@ -25,7 +25,7 @@ from .sampling_params import ParamError
 if TYPE_CHECKING:  # the channels' types, for the annotations only: the ranks are notebook 11a's business
     from minivllm.engine.ipc import ShmCommandChannel
     from minivllm.engine.launch import Ranks
-    from minivllm.cluster.multinode import GlooCommandChannel
+    from minivllm.cluster import GlooCommandChannel
 
 # %% auto #0
 __all__ = ['CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer', 'CompletionText', 'Request', 'LLM', 'encode_prompt',

@@ -20,8 +20,7 @@ from .model_runner import EngineArgs, ModelRunner, StepOutput, run_batch
 from .scheduler import ScheduledBatch
 
 if TYPE_CHECKING:  # subtle: several machines (notebooks 09a, 10a) are imported where an engine spans them, only there
-    from minivllm.cluster.multinode import GlooCommandChannel, HeartbeatMonitor
-    from minivllm.cluster.wire import ClusterKey
+    from minivllm.cluster import ClusterKey, GlooCommandChannel, HeartbeatMonitor
 
 # %% auto #0
 __all__ = ['log', 'Ranks']
@@ -82,8 +81,7 @@ def _start(self: Ranks, args: EngineArgs) -> EngineArgs:
     try:
         port = listener.getsockname()[1]
         if args.nnodes > 1:  # the other machines read the engine's arguments from the store, and beat in it
-            from minivllm.cluster.multinode import GlooCommandChannel, command_group, node_claimed
-            from minivllm.cluster.wire import SECRET_ENV
+            from minivllm import cluster  # subtle: here, not with the module: one machine's engine never imports it
             args = replace(args, master_port=port)
             store = self._store = store_server(args.master_addr, port, args.tensor_parallel_size, listener,
                                                timedelta(seconds=args.timeout_s))
@@ -100,15 +98,15 @@ def _start(self: Ranks, args: EngineArgs) -> EngineArgs:
             self.runner = ModelRunner(0, args, peers_alive=peers_alive, listener=listener if store is None else None,
                                       store=store, cluster_key=key)
         except RankFailure as e:  # name the machines that never came, and the command that brings them
-            absent = [n for n in range(1, args.nnodes) if store is not None and not node_claimed(store, key, n)]
+            absent = [n for n in range(1, args.nnodes) if store is not None and not cluster.node_claimed(store, key, n)]
             if not absent:
                 raise
             raise RankFailure(f"{e}: node {', '.join(map(str, absent))} never joined; on each, run `minivllm worker "
                               f"--master-addr {args.master_addr} --master-port {port} --node-rank N` with this "
-                              f"engine's {SECRET_ENV}") from None
+                              f"engine's {cluster.SECRET_ENV}") from None
         if store is not None:
-            group = command_group(store, 0, len(layout.remote_ranks) + 1, args.master_addr)
-            self.remote = GlooCommandChannel(group, key, ModelRunner.COMMANDS, monitor, timeout_s=args.timeout_s)
+            group = cluster.command_group(store, 0, len(layout.remote_ranks) + 1, args.master_addr)
+            self.remote = cluster.GlooCommandChannel(group, key, ModelRunner.COMMANDS, monitor, timeout_s=args.timeout_s)
         if self.runner.threads is not None and self.channel is not None:  # the workers' CPU time is the engine's
             self.runner.threads.pids |= {p.pid for p in self.channel.processes.values()}
     finally:
@@ -118,17 +116,17 @@ def _start(self: Ranks, args: EngineArgs) -> EngineArgs:
 @patch
 def _publish(self: Ranks, store, args: EngineArgs, port: int) -> tuple[ClusterKey, HeartbeatMonitor]:
     "Put the engine's arguments in the store, sealed with the cluster's secret, and say how the other machines join."
-    from minivllm.cluster.multinode import HeartbeatMonitor, publish_engine
-    from minivllm.cluster.wire import SECRET_ENV, ClusterKey, new_secret, secret_from_env
-    secret = secret_from_env()
-    given, secret = secret is not None, secret or new_secret()
-    key = publish_engine(store, ClusterKey(secret), args)  # sealed: only the secret's holders read it
+    from minivllm import cluster
+    secret = cluster.secret_from_env()
+    given, secret = secret is not None, secret or cluster.new_secret()
+    key = cluster.publish_engine(store, cluster.ClusterKey(secret), args)  # sealed: only the secret's holders read it
     others = "node 1" if args.nnodes == 2 else f"nodes 1-{args.nnodes - 1}"
     command = f"minivllm worker --master-addr {args.master_addr} --master-port {port} --node-rank N"
-    log.info(f"waiting for {others} to join: on each, with the same {SECRET_ENV}, run `{command}`" if given
-             else f"waiting for {others} to join: on each, run `{SECRET_ENV}={secret} {command}` (no {SECRET_ENV} "
+    env = cluster.SECRET_ENV
+    log.info(f"waiting for {others} to join: on each, with the same {env}, run `{command}`" if given
+             else f"waiting for {others} to join: on each, run `{env}={secret} {command}` (no {env} "
                   "was set here, so this engine made one)")
-    return key, HeartbeatMonitor(store, NodeLayout(args.tensor_parallel_size, args.nnodes).remote_ranks, key)
+    return key, cluster.HeartbeatMonitor(store, NodeLayout(args.tensor_parallel_size, args.nnodes).remote_ranks, key)
 
 @patch
 def start(self: Ranks) -> EngineArgs:

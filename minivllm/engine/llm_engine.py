@@ -25,7 +25,7 @@ from fastcore.basics import patch
 
 if TYPE_CHECKING:  # the channels' types, for the annotations only: the ranks are notebook 11a's business
     from minivllm.engine.ipc import ShmCommandChannel
-    from minivllm.cluster.multinode import GlooCommandChannel
+    from minivllm.cluster import GlooCommandChannel
 
 # %% auto #0
 __all__ = ['logger', 'LLMEngine', 'sample_seed', 'check_params_for_vocab']

@@ -32,7 +32,7 @@ from ..sampler import GREEDY_TEMPERATURE, Sampler, add_logit_bias, apply_penalti
 from ..models import build_model, load_checkpoint
 
 if TYPE_CHECKING:  # subtle: several machines (notebooks 09a, 10a) are imported where they are used, never by one machine's engine
-    from minivllm.cluster.wire import ClusterKey
+    from minivllm.cluster import ClusterKey
 
 # %% auto #0
 __all__ = ['PROMPT_LOGPROB_ROWS', 'EngineArgs', 'StepInputs', 'SamplingInputs', 'StepOutput', 'available_memory_bytes',
@@ -317,16 +317,16 @@ class ModelRunner:
                                      peers_alive=peers_alive, slot_bytes=self._slot_bytes(), key=self.cluster_key,
                                      **({"listener": listener} if listener is not None else {}))
         # several machines: no shared memory between them, so every collective goes through the process groups
-        from minivllm.cluster.multinode import STALE_S, node_label, prove_membership
+        from minivllm import cluster  # subtle: here, not with the module: one machine's engine never imports it
         if self.cluster_key is None:
             raise ValueError("ranks on several machines need the cluster's key (cluster_key=), which every rank proves")
         comm = ProcessGroupCommunicator.connect(
             self.rank, self.world_size, port, store=store, host=args.master_addr, bind=node_addr or args.master_addr,
-            node=node_label(self.layout.node_of(self.rank)), backend="nccl" if args.device == "cuda" else "gloo",
+            node=cluster.node_label(self.layout.node_of(self.rank)), backend="nccl" if args.device == "cuda" else "gloo",
             timeout_s=args.timeout_s, peers_alive=peers_alive, key=self.cluster_key)
-        comm.watch.settle_s = STALE_S + 1  # subtle: a collective a remote rank broke waits for its heartbeat to name it
+        comm.watch.settle_s = cluster.STALE_S + 1  # subtle: a collective a remote rank broke waits for its heartbeat to name it
         try:
-            prove_membership(comm, self.cluster_key)  # no stranger in the group, whatever it wrote to the store
+            cluster.prove_membership(comm, self.cluster_key)  # no stranger in the group, whatever it wrote to the store
         except BaseException:
             comm.close()
             raise
