@@ -351,6 +351,14 @@ def start_engine(model, port: int, **kwargs):
     return thread, out
 
 
+def reference_then_engine_waiting_for_node_1(model):
+    "The greedy tokens of a one-machine engine, then `start_engine` on a free port: (tokens, port, thread, out)."
+    with LLM(model) as llm:
+        reference = tokens(llm)
+    port = free_port()
+    return (reference, port, *start_engine(model, port))
+
+
 def stranger(port: int):
     "A plain store client of rank 0's rendezvous, once the engine has published its arguments."
     import torch.distributed as dist
@@ -398,10 +406,7 @@ def test_a_store_client_cannot_run_code_on_a_worker(tiny, tmp_path):
 
 def test_a_store_client_can_neither_stop_the_engine_nor_take_a_node(tiny, cluster_secret):
     "A stranger squats node 1, a worker with another secret is refused, the right worker joins; forged error, name and pulse of rank 1 change nothing."
-    with LLM(tiny) as llm:
-        reference = tokens(llm)
-    port = free_port()
-    thread, out = start_engine(tiny, port)
+    reference, port, thread, out = reference_then_engine_waiting_for_node_1(tiny)
     client = stranger(port)
     client.set("node/1", "taken by a stranger")
     with WorkerNode("127.0.0.1", port, prefix=("env", f"{SECRET_ENV}={new_secret()}")) as impostor:
@@ -426,10 +431,7 @@ def test_a_store_client_can_neither_stop_the_engine_nor_take_a_node(tiny, cluste
 @pytest.mark.parametrize("forged", ["garbage", "node 0 (vm) 999999"])
 def test_a_forged_joined_value_is_ignored_and_the_start_completes_with_the_real_worker(tiny, forged):
     "A stranger writes rank 1's `joined/1` before the worker joins (the probe's crash, and its 'rank 1 (pid 999999) died'): ignored with one warning."
-    with LLM(tiny) as llm:
-        reference = tokens(llm)
-    port = free_port()
-    thread, out = start_engine(tiny, port)
+    reference, port, thread, out = reference_then_engine_waiting_for_node_1(tiny)
     stranger(port).set("joined/1", forged)
     with WorkerNode("127.0.0.1", port) as node:
         thread.join(120)
