@@ -20,8 +20,8 @@ from minivllm import LLM, SamplingParams
 from minivllm.cli import main as cli_main
 from minivllm.distributed import RankFailure, free_port, listen_socket
 from minivllm.cluster.wire import SECRET_ENV, new_secret
-from minivllm.testing import (WorkerNode, gone, leftover_segments, make_tiny_checkpoint, rank_processes, shm_segments,
-                              tcp_listeners, wait_until)
+from minivllm.testing import (WorkerNode, gone, leftover_segments, make_tiny_checkpoint, rank_processes, rss_mib,
+                              shm_segments, tcp_listeners, wait_until)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 60))]
@@ -405,7 +405,7 @@ def test_a_store_client_cannot_run_code_on_a_worker(tiny, tmp_path):
 
 
 def test_a_store_client_can_neither_stop_the_engine_nor_take_a_node(tiny, cluster_secret):
-    "A stranger squats node 1, a worker with another secret is refused, the right worker joins; forged error, name and pulse of rank 1 change nothing."
+    "A stranger squats node 1 and a worker with another secret is refused, the right worker joins; then the store is closed, and forged frames at the heartbeat port change nothing."
     reference, port, thread, out = reference_then_engine_waiting_for_node_1(tiny)
     client = stranger(port)
     client.set("node/1", "taken by a stranger")
@@ -416,15 +416,55 @@ def test_a_store_client_can_neither_stop_the_engine_nor_take_a_node(tiny, cluste
         thread.join(120)
         assert "llm" in out, out
         with out["llm"] as llm:
-            client.set("error/1", "injected by an outside store client")
-            client.set("where/1", "rank 1 on the stranger's machine")
+            assert not _listening(port)  # the store is gone once the ranks have started: nobody can write to it
+            monitor = llm.remote.monitor
+            send_as_stranger(monitor.port, frame(b"e", 1, b"injected by an outside client"))
+            send_as_stranger(monitor.port, frame(b"w", 1, b"rank 1 on the stranger's machine"))
             long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
             for i, _ in enumerate(llm.stream([[1, 2, 3]], long)):
-                client.set("beat/1", "garbage")  # every step, a pulse that is not rank 1's
+                send_as_stranger(monitor.port, frame(b"b", 1, b"garbage!"))  # every step, a pulse that is not rank 1's
                 llm.remote.check(now=True)       # what every wait on the other machines does: no RankFailure
             assert tokens(llm) == reference
-            assert llm.remote.monitor.where(1) == "rank 1"  # not the stranger's name for it
-            assert {"error/1", "where/1"} <= llm.remote.monitor.forged
+            assert monitor.where(1).startswith("rank 1 on node 1 (")  # not the stranger's name for it
+            assert {"error/1", "where/1", "beat/1"} <= monitor.forged
+        assert node.wait() == 0
+
+
+def frame(kind: bytes, rank: int, data: bytes) -> bytes:
+    "A heartbeat frame as a stranger makes it: the right head, an unsigned body (a tag of zeros)."
+    from minivllm.cluster.multinode import _FRAME
+    body = bytes(32) + data
+    return _FRAME.pack(kind, rank, len(body)) + body
+
+
+def send_as_stranger(port: int, data: bytes) -> None:
+    "Connect to 127.0.0.1:`port` without the secret, send `data`, and see the connection dropped."
+    import socket
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        try:
+            s.sendall(data)
+            s.settimeout(10)
+            assert s.recv(1) == b""
+        except (ConnectionResetError, BrokenPipeError):  # dropped before all of it was read
+            pass
+
+
+def test_across_machines_a_flood_while_serving_leaves_the_engine_flat(tiny):
+    "The trust probe's flood (150 values of 4 MiB: 700 -> 1,308 MiB across two machines): the store refuses it, the heartbeat port keeps none of it."
+    reference, port, thread, out = reference_then_engine_waiting_for_node_1(tiny)
+    with WorkerNode("127.0.0.1", port) as node:
+        thread.join(120)
+        assert "llm" in out, out
+        with out["llm"] as llm:
+            assert tokens(llm) == reference
+            before = rss_mib(os.getpid())
+            assert not _listening(port)
+            junk = frame(b"e", 1, os.urandom(4 << 20))  # one buffer, sent 150 times: this process allocates no more
+            for _ in range(150):
+                send_as_stranger(llm.remote.monitor.port, junk)
+            after = rss_mib(os.getpid())
+            assert after - before < 20, (before, after)
+            assert tokens(llm) == reference
         assert node.wait() == 0
 
 

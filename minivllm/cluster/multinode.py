@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import selectors
 import socket
 import struct
 import threading
@@ -21,15 +22,16 @@ import torch
 import torch.distributed as dist
 from fastcore.basics import patch
 
-from ..distributed import NodeLayout, RankFailure, RankProcess, end_processes, shutdown_groups  # noqa: F401 (NodeLayout: importable here too)
+from ..distributed import ClosableStore, NodeLayout, RankFailure, RankProcess, end_processes, shutdown_groups  # noqa: F401 (NodeLayout: importable here too)
 from ..engine.ipc import OwnerDied, worker_loop
 from .wire import SECRET_ENV, ClusterKey, CommandCodec, Untrusted, fields_from_wire, fields_to_wire
 
 # %% auto #0
-__all__ = ['HEARTBEAT_S', 'STALE_S', 'log', 'INLINE_BYTES', 'MAX_COMMAND_BYTES', 'ENGINE_KEY', 'ENGINE_GONE', 'node_label',
-           'address_towards', 'Heartbeat', 'HeartbeatMonitor', 'prove_membership', 'command_group',
-           'GlooCommandChannel', 'GlooCommandReceiver', 'publish_engine', 'read_engine', 'claim_node', 'node_claimed',
-           'engine_answers', 'run_node']
+__all__ = ['HEARTBEAT_S', 'STALE_S', 'MAX_FRAME_BYTES', 'log', 'INLINE_BYTES', 'MAX_COMMAND_BYTES', 'ENGINE_KEY', 'ENGINE_GONE',
+           'node_label', 'address_towards', 'encode_frame', 'decode_head', 'read_frame', 'HeartbeatMonitor',
+           'Heartbeat', 'prove_membership', 'command_group', 'GlooCommandChannel', 'GlooCommandReceiver',
+           'new_engine_key', 'publish_engine', 'read_engine', 'claim_node', 'node_claimed', 'engine_answers',
+           'report_failure', 'run_node']
 
 # %% ../../nbs/10a_multi_node.ipynb #0b3f5332
 def node_label(node: int) -> str:
@@ -51,101 +53,254 @@ def address_towards(host: str) -> str:
 # %% ../../nbs/10a_multi_node.ipynb #c53ac4a3
 HEARTBEAT_S = 0.2  # a remote rank's pulse
 STALE_S = 5.0      # no pulse for this long: the rank, its machine or the network to it is gone
+MAX_FRAME_BYTES = 16 * 1024  # the longest signed frame body (a report is cut to fit); a longer one drops its sender
+_FRAME = struct.Struct("<cIQ")  # a frame's head: its kind, the rank it speaks for, its signed body's length
+_KINDS = {b"w": "where", b"b": "beat", b"e": "error", b"r": "ready", b"a": "answer"}
 _COUNT = struct.Struct("<Q")
 log = logging.getLogger("minivllm")
 
-class Heartbeat:
-    "A remote rank's signed pulse in rank 0's store (a count it rewrites every `interval_s`), its signed reports, and its news of rank 0's death."
-    def __init__(self, store: dist.TCPStore, rank: int, where: str, key: ClusterKey, interval_s: float = HEARTBEAT_S):
-        self.rank, self.key, self.interval_s, self.lost = rank, key, interval_s, None
-        self._address = f"{store.host}:{store.port}"
-        # subtle: a client of its own, so that the pulse never waits behind the main thread's use of the store
-        self._store = dist.TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=2 * STALE_S))
-        self._store.set(f"where/{rank}", key.sign(where.encode(), f"where/{rank}"))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name=f"minivllm-heartbeat-{rank}", daemon=True)
-        self._thread.start()
+def encode_frame(key: ClusterKey, kind: bytes, rank: int, data: bytes) -> bytes:
+    "One frame: its head, then `data` (cut to fit) signed for `<kind>/<rank>`. Example: a pulse is `encode_frame(key, b'b', 2, count)`."
+    body = key.sign(data[-(MAX_FRAME_BYTES - 64):], f"{_KINDS[kind]}/{rank}")
+    return _FRAME.pack(kind, rank, len(body)) + body
 
-    def _beat(self) -> None:
-        count = 0
-        while not self._stop.wait(self.interval_s):
-            count += 1
-            try:  # subtle: `set`, not the store's `add`: a value a stranger wrote cannot make the pulse fail
-                self._store.set(f"beat/{self.rank}", self.key.sign(_COUNT.pack(count), f"beat/{self.rank}"))
-            except Exception as e:  # the store is gone, and rank 0 with it (or the network to it)
-                self.lost = f"rank 0's store at {self._address} stopped answering ({str(e).splitlines()[0]})"
-                return
+def decode_head(head: bytes, ranks, sender: str) -> tuple[bytes, int, int]:
+    "A frame's (kind, rank, body length); `Untrusted` for a kind, rank or length no rank of this engine sends."
+    kind, rank, length = _FRAME.unpack(head)
+    if kind not in _KINDS or rank not in ranks or length > MAX_FRAME_BYTES:
+        raise Untrusted(f"a frame from {sender} claims kind {kind!r}, rank {rank} and {length} bytes, which no "
+                        f"rank of this engine sends (ranks {list(ranks)}, at most {MAX_FRAME_BYTES} bytes)")
+    return kind, rank, length
 
-    def check(self) -> None:
-        "Raise `OwnerDied` once rank 0's store has stopped answering."
-        if self.lost:
-            raise OwnerDied(f"rank {self.rank}: {self.lost}; exiting")
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    "`n` bytes from blocking `sock`; `ConnectionError` if it closes first."
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("the connection closed")
+        data += chunk
+    return bytes(data)
 
-    def report(self, text: str) -> None:
-        "Leave `text` (how this rank failed), signed, where rank 0 looks; nobody to tell if rank 0 is gone."
-        name = f"error/{self.rank}"
-        try:
-            self._store.set(name, self.key.sign(text.encode(), name))
-            # subtle: a store's `set` does not wait for the store to take it; a round trip on the same connection does,
-            # so the report is readable by rank 0 when this returns (rank 0 then names the cause, not a silence)
-            self._store.check([name])
-        except Exception: pass
-
-    def close(self) -> None:
-        "Stop the pulse. Idempotent."
-        self._stop.set()
-        self._thread.join(timeout=2 * STALE_S)
+def read_frame(sock: socket.socket, key: ClusterKey, ranks, sender: str) -> tuple[bytes, int, bytes]:
+    "The next frame on blocking `sock` as (kind, rank, data); `Untrusted` if it is not a signed frame of `ranks`."
+    kind, rank, length = decode_head(_recv_exactly(sock, _FRAME.size), ranks, sender)
+    return kind, rank, key.verify(_recv_exactly(sock, length), f"{_KINDS[kind]}/{rank}", sender)
 
 # %% ../../nbs/10a_multi_node.ipynb #faf9a8ea
 class HeartbeatMonitor:
-    "Rank 0's watch over the remote ranks: `check` raises `RankFailure` for one that reported an error, or whose pulse stopped; a stranger's writes are ignored."
-    def __init__(self, store: dist.Store, ranks: list[int], key: ClusterKey, stale_s: float = STALE_S,
-                 every_s: float = 0.25):
-        self.store, self.ranks, self.key, self.stale_s, self.every_s = store, list(ranks), key, stale_s, every_s
+    "Rank 0's watch over the remote ranks: a server on `host` that takes their signed frames (below); `check` raises `RankFailure` for one that reported an error, or whose pulse stopped."
+    def __init__(self, host: str, ranks: list[int], key: ClusterKey, stale_s: float = STALE_S, every_s: float = 0.25,
+                 max_connections: int | None = None):
+        self.ranks, self.key, self.stale_s, self.every_s = list(ranks), key, stale_s, every_s
+        self.max_connections = max_connections or 4 * len(self.ranks) + 8  # a rank's link, and its agent's reports
+        self.names: dict[int, str] = {}      # rank -> how it named itself
+        self.errors: dict[int, str] = {}     # rank -> its first report
+        self.ready: set[int] = set()         # ranks done with the rendezvous store
         self._beats: dict[int, int] = {}
         self._heard: dict[int, float] = {}
         self._next = 0.0
-        self.forged: set[str] = set()  # keys where a value without the secret's signature was found (warned once)
-
-    def _read(self, name: str) -> bytes | None:
-        "The signed value of key `name` (None if absent, or forged: then a warning, once per key)."
-        if not self.store.check([name]):
-            return None
-        try:
-            return self.key.verify(self.store.get(name), name, "the rendezvous store")
-        except Untrusted as e:
-            if name not in self.forged:
-                self.forged.add(name)
-                log.warning(f"ignored {e}; is someone else writing to the store? (a cluster's network must be private)")
-            return None
+        self.forged: set[str] = set()        # what a frame that was refused claimed to be (warned once each)
+        self._conns: dict[socket.socket, bytearray] = {}  # oldest first: what each has sent of its next frame
+        self._taken: dict[socket.socket, int] = {}        # valid frames per connection
+        self._listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._listener.setblocking(False)
+        self.port = self._listener.getsockname()[1]
+        self._wake, self._waker = socket.socketpair()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._selector.register(self._wake, selectors.EVENT_READ)
+        self._thread = threading.Thread(target=self._serve, name="minivllm-heartbeats", daemon=True)
+        self._thread.start()
 
     def where(self, rank: int) -> str:
         "The rank as it named itself. Example: `'rank 2 on node 1 (host-b)'`."
-        named = self._read(f"where/{rank}")
-        return named.decode("utf-8", "replace") if named is not None else f"rank {rank}"
+        return self.names.get(rank, f"rank {rank}")
 
     def check(self, now: bool = False) -> None:
-        "Raise `RankFailure` if a remote rank failed; reads the store at most every `every_s` seconds unless `now`."
+        "Raise `RankFailure` if a remote rank failed; looks at most every `every_s` seconds unless `now`."
         t = time.monotonic()
         if not now and t < self._next:
             return
         self._next = t + self.every_s
         for r in self.ranks:
-            if (error := self._read(f"error/{r}")) is not None:
-                raise RankFailure(f"{self.where(r)} {error.decode('utf-8', 'replace')}")
-            present = self.store.check([f"beat/{r}"])
-            beat = self._read(f"beat/{r}") if present else None
-            if beat is None:
-                # subtle: not started yet (the rendezvous' timeout covers a rank that never comes), or overwritten by
-                # a stranger: unknown is not stale, so a forgery can delay naming a lost machine but never stop the engine
-                if present: self._heard[r] = t
-                continue
-            count = _COUNT.unpack(beat)[0] if len(beat) == _COUNT.size else -1
-            if count > self._beats.get(r, -1):
-                self._beats[r], self._heard[r] = count, t
-            elif t - self._heard[r] > self.stale_s:
+            if r in self.errors:
+                raise RankFailure(f"{self.where(r)} {self.errors[r]}")
+            # subtle: a rank not heard from yet is not stale: the rendezvous' timeout covers a rank that never comes
+            if r in self._heard and t - self._heard[r] > self.stale_s:
                 raise RankFailure(f"{self.where(r)} has not been heard from for {t - self._heard[r]:.1f} s: its "
                                   "process, its machine or the network to it is gone")
+
+    def wait_ready(self, timeout_s: float) -> None:
+        "Block until every remote rank is done with the rendezvous store; `RankFailure` if one fails first, or `timeout_s` passes."
+        deadline = time.monotonic() + timeout_s
+        while not self.ready.issuperset(self.ranks):
+            self.check(now=True)
+            if time.monotonic() > deadline:
+                missing = sorted(set(self.ranks) - self.ready)
+                raise RankFailure(f"ranks {missing} did not finish starting within {timeout_s:.0f} s")
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        "Stop the server and close every connection (the remote ranks see rank 0 go). Idempotent."
+        if self._listener is None:
+            return
+        self._waker.send(b"x")
+        self._thread.join()
+        for conn in list(self._conns):
+            self._drop(conn)
+        for s in (self._listener, self._wake, self._waker):
+            s.close()
+        self._selector.close()
+        self._listener = None
+
+# %% ../../nbs/10a_multi_node.ipynb #ff22b3f2
+@patch
+def _serve(self: HeartbeatMonitor) -> None:
+    "The server's loop: accept, read, take frames, until `close`."
+    while True:
+        for event, _ in self._selector.select():
+            if event.fileobj is self._wake:
+                return
+            if event.fileobj is self._listener:
+                self._accept()
+            else:
+                self._receive(event.fileobj)
+
+@patch
+def _accept(self: HeartbeatMonitor) -> None:
+    "Take a new connection; when full, in place of the oldest that never sent a valid frame (or none)."
+    try:
+        conn, _ = self._listener.accept()
+    except OSError:
+        return
+    if len(self._conns) >= self.max_connections:  # full: the oldest connection that never proved itself goes
+        idle = next((c for c in self._conns if c not in self._taken), None)
+        if idle is None:
+            conn.close()
+            return
+        self._drop(idle)
+    conn.setblocking(False)
+    self._conns[conn] = bytearray()
+    self._selector.register(conn, selectors.EVENT_READ)
+
+@patch
+def _drop(self: HeartbeatMonitor, conn: socket.socket) -> None:
+    "Forget `conn` and close it."
+    self._selector.unregister(conn)
+    self._conns.pop(conn, None)
+    self._taken.pop(conn, None)
+    conn.close()
+
+@patch
+def _receive(self: HeartbeatMonitor, conn: socket.socket) -> None:
+    "Read what `conn` sent; take each whole frame, answer it; drop the connection at its end or at a frame it may not send."
+    try:
+        chunk = conn.recv(1 << 16)
+    except BlockingIOError:
+        return
+    except OSError:
+        chunk = b""
+    if not chunk:
+        return self._drop(conn)
+    buffer = self._conns[conn]
+    buffer += chunk  # subtle: at most one frame and one read: a head's length is checked before its body is waited for
+    sender = "a connection to the heartbeat server"
+    while len(buffer) >= _FRAME.size:
+        label = None
+        try:
+            kind, rank, length = decode_head(bytes(buffer[:_FRAME.size]), self.ranks, sender)
+            label = f"{_KINDS[kind]}/{rank}"
+            if len(buffer) < _FRAME.size + length:
+                return
+            if kind == b"a":
+                raise Untrusted(f"a frame from {sender} is an answer, which only rank 0 sends")
+            data = self.key.verify(bytes(buffer[_FRAME.size:_FRAME.size + length]), label, sender)
+        except Untrusted as e:
+            if (label or "malformed") not in self.forged:
+                self.forged.add(label or "malformed")
+                log.warning(f"ignored {e}; is someone else connecting to the engine's heartbeat port? (a cluster's "
+                            "network must be private)")
+            return self._drop(conn)
+        del buffer[:_FRAME.size + length]
+        self._take(kind, rank, data)
+        self._taken[conn] = self._taken.get(conn, 0) + 1
+        try:
+            conn.sendall(encode_frame(self.key, b"a", rank, _COUNT.pack(self._taken[conn])))
+        except OSError:
+            return self._drop(conn)
+
+@patch
+def _take(self: HeartbeatMonitor, kind: bytes, rank: int, data: bytes) -> None:
+    "Keep what a valid frame says."
+    text = data.decode("utf-8", "replace")
+    if kind == b"w":
+        self.names[rank] = text
+    elif kind == b"e":
+        self.errors.setdefault(rank, text)  # subtle: the first report names the cause (the rank's own, then its agent's)
+    elif kind == b"r":
+        self.ready.add(rank)
+    elif kind == b"b" and len(data) == _COUNT.size and _COUNT.unpack(data)[0] > self._beats.get(rank, -1):
+        self._beats[rank], self._heard[rank] = _COUNT.unpack(data)[0], time.monotonic()
+
+# %% ../../nbs/10a_multi_node.ipynb #5ab1da9d
+class Heartbeat:
+    "A remote rank's link to rank 0's `HeartbeatMonitor` at `host:port`: its name, a signed pulse every `interval_s`, its reports, and its news of rank 0's death."
+    def __init__(self, host: str, port: int, rank: int, where: str, key: ClusterKey, interval_s: float = HEARTBEAT_S):
+        self.rank, self.key, self.interval_s, self.lost = rank, key, interval_s, None
+        self._address = f"{host}:{port}"
+        self._sock = socket.create_connection((host, port), timeout=2 * STALE_S)
+        self._sent = 0
+        self._lock = threading.Lock()  # subtle: a frame and its answer are one exchange: the pulse and a report take turns
+        self._send(b"w", where.encode())
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"minivllm-heartbeat-{rank}", daemon=True)
+        self._thread.start()
+
+    def _send(self, kind: bytes, data: bytes) -> None:
+        "Send one frame and wait for rank 0's answer to it; `OSError` or `Untrusted` if none comes."
+        with self._lock:
+            self._sock.sendall(encode_frame(self.key, kind, self.rank, data))
+            self._sent += 1
+            kind, _, answer = read_frame(self._sock, self.key, [self.rank], f"rank 0 at {self._address}")
+            if kind != b"a" or answer != _COUNT.pack(self._sent):
+                raise Untrusted(f"rank 0 at {self._address} answered frame {self._sent} out of turn")
+
+    def _beat(self) -> None:
+        count = 0
+        while not self._stop.wait(self.interval_s):
+            count += 1
+            try:
+                self._send(b"b", _COUNT.pack(count))
+            except (OSError, Untrusted) as e:  # rank 0 is gone (or the network to it)
+                self.lost = f"rank 0's heartbeat server at {self._address} stopped answering ({e or type(e).__name__})"
+                return
+
+    def check(self) -> None:
+        "Raise `OwnerDied` once rank 0 has stopped answering."
+        if self.lost:
+            raise OwnerDied(f"rank {self.rank}: {self.lost}; exiting")
+
+    def report(self, text: str) -> None:
+        "Send `text` (how this rank failed) to rank 0, read there when this returns; nobody to tell if rank 0 is gone."
+        try:
+            self._send(b"e", text.encode())
+        except (OSError, Untrusted):
+            pass
+
+    def ready(self) -> None:
+        "Tell rank 0 this rank no longer needs the rendezvous store; `OwnerDied` if rank 0 is gone."
+        try:
+            self._send(b"r", b"")
+        except (OSError, Untrusted) as e:
+            raise OwnerDied(f"rank {self.rank}: rank 0's heartbeat server at {self._address} stopped answering "
+                            f"({e}); exiting") from None
+
+    def close(self) -> None:
+        "Stop the pulse and close the connection. Idempotent."
+        self._stop.set()
+        self._thread.join(timeout=2 * STALE_S)
+        self._sock.close()
 
 # %% ../../nbs/10a_multi_node.ipynb #83c7ec58
 _NONCE = 16
@@ -176,7 +331,11 @@ def command_group(store: dist.Store, rank: int, size: int, address: str) -> dist
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = _IDLE
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-    return dist.ProcessGroupGloo(dist.PrefixStore("commands/", store), rank, size, opts)
+    closable = ClosableStore(store)
+    try:  # subtle: built, the group lets go of the store, so that rank 0's store (and its port) can close
+        return dist.ProcessGroupGloo(dist.PrefixStore("commands/", closable), rank, size, opts)
+    finally:
+        closable.close()
 
 def _broadcast(group, x: torch.Tensor):
     "Start a broadcast of group rank 0's `x` (into `x` on the others); its work."
@@ -340,16 +499,20 @@ def _signed(key: ClusterKey, value: bytes, name: str) -> bool:
     except Untrusted:
         return False
 
-def publish_engine(store: dist.Store, key: ClusterKey, args) -> ClusterKey:
-    "Node 0: a fresh engine id and the engine's arguments, sealed, in the store; the key scoped to that engine."
-    engine = secrets.token_hex(16)
-    store.set(ENGINE_KEY, key.seal(engine.encode() + b"\n" + fields_to_wire(args), ENGINE_KEY))
-    return key.scoped(engine)
+def new_engine_key(key: ClusterKey) -> ClusterKey:
+    "The cluster's `key` scoped to a fresh engine id: what signs every frame and command of one engine."
+    return key.scoped(secrets.token_hex(16))
+
+def publish_engine(store: dist.Store, key: ClusterKey, engine_key: ClusterKey, args, heartbeat_port: int) -> None:
+    "Node 0: the engine's id, its heartbeat port and its arguments, sealed with the cluster's `key`, in the store."
+    record = f"{engine_key.scope.rstrip('/')} {heartbeat_port}".encode() + b"\n" + fields_to_wire(args)
+    store.set(ENGINE_KEY, key.seal(record, ENGINE_KEY))
 
 def read_engine(store: dist.Store, key: ClusterKey, args_type: type, sender: str) -> tuple:
-    "Another machine: `(args, key scoped to the engine)` from what `publish_engine` wrote; `Untrusted` if it was not sealed with this key."
-    engine, _, fields = key.open(store.get(ENGINE_KEY), ENGINE_KEY, sender).partition(b"\n")
-    return fields_from_wire(fields, args_type, sender), key.scoped(engine.decode())
+    "Another machine: `(args, key scoped to the engine, heartbeat port)` from `publish_engine`'s record; `Untrusted` if it was not sealed with this key."
+    head, _, fields = key.open(store.get(ENGINE_KEY), ENGINE_KEY, sender).partition(b"\n")
+    engine, _, port = head.decode().partition(" ")
+    return fields_from_wire(fields, args_type, sender), key.scoped(engine), int(port)
 
 def claim_node(store: dist.Store, key: ClusterKey, node: int, sender: str) -> None:
     "Take node rank `node` with a signed claim; `ValueError` if a machine holding the secret took it first (a stranger's claim is replaced)."
@@ -375,18 +538,18 @@ def node_claimed(store: dist.Store, key: ClusterKey, node: int, value: bytes | N
 ENGINE_GONE = 3  # a remote rank's exit code when rank 0 went away: its agent says so in one line
 
 def engine_answers(host: str, port: int, timeout_s: float = 1.0) -> bool:
-    "Whether something listens at rank 0's rendezvous address (a plain connect: a store client that fails dumps a C++ stack)."
+    "Whether something listens at `host:port`, rank 0's store or heartbeat server (a plain connect: a store client that fails dumps a C++ stack)."
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
         return True
     except OSError:
         return False
 
-def _remote_rank_main(rank: int, master_addr: str, master_port: int, node: int, node_addr: str, args, key: ClusterKey,
-                      make_handler: Callable, timeout_s: float) -> None:
+def _remote_rank_main(rank: int, master_addr: str, master_port: int, heartbeat_port: int, node: int, node_addr: str,
+                      args, key: ClusterKey, make_handler: Callable, timeout_s: float) -> None:
     "Body of a rank on another machine: a heartbeat, the handler, then commands until `exit`."
     store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    heartbeat = Heartbeat(store, rank, f"rank {rank} on {node_label(node)}", key)
+    heartbeat = Heartbeat(master_addr, heartbeat_port, rank, f"rank {rank} on {node_label(node)}", key)
     handler = receiver = None
     exited = False
     try:
@@ -398,6 +561,8 @@ def _remote_rank_main(rank: int, master_addr: str, master_port: int, node: int, 
             group = command_group(store, layout.remote_ranks.index(rank) + 1, len(layout.remote_ranks) + 1, node_addr)
             receiver = GlooCommandReceiver(group, key, make_handler.COMMANDS, heartbeat,
                                            sender=f"rank 0 at {master_addr}:{master_port}")
+            del store
+            heartbeat.ready()  # rank 0 closes its store once every remote rank has said this
         except BaseException:
             heartbeat.report("raised:\n" + traceback.format_exc()[-8000:])
             if handler is not None and hasattr(handler, "exit"):
@@ -406,7 +571,7 @@ def _remote_rank_main(rank: int, master_addr: str, master_port: int, node: int, 
         try:
             exited = worker_loop(receiver, handler)  # the handler leaves its group, whatever ends the loop
         except Exception:
-            if not engine_answers(master_addr, master_port):  # it failed because the engine went: say nothing more
+            if not engine_answers(master_addr, heartbeat_port):  # it failed because the engine went: say nothing more
                 raise SystemExit(ENGINE_GONE) from None
             raise
     finally:
@@ -417,6 +582,15 @@ def _remote_rank_main(rank: int, master_addr: str, master_port: int, node: int, 
         raise SystemExit(ENGINE_GONE)
 
 # %% ../../nbs/10a_multi_node.ipynb #e9baaf93
+def report_failure(host: str, port: int, rank: int, key: ClusterKey, text: str) -> None:
+    "An agent's word to rank 0's heartbeat server that `rank` failed (`text`); the rank's own report, if it came first, stands."
+    try:
+        with socket.create_connection((host, port), timeout=2 * STALE_S) as s:
+            s.sendall(encode_frame(key, b"e", rank, text.encode()))
+            read_frame(s, key, [rank], f"rank 0 at {host}:{port}")  # subtle: answered, so rank 0 has it
+    except (OSError, Untrusted):
+        pass  # nobody to tell if rank 0 is the cause
+
 def run_node(master_addr: str, master_port: int, node: int, make_handler: Callable, *, args_type: type, secret: str | None,
              nnodes: int | None = None, node_addr: str | None = None, model: str | None = None,
              timeout_s: float = 300.0, log: Callable[[str], None] = print) -> int:
@@ -437,7 +611,7 @@ def run_node(master_addr: str, master_port: int, node: int, make_handler: Callab
         time.sleep(0.2)
     store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=timedelta(seconds=timeout_s))
     engine = f"the engine at {master_addr}:{master_port}"
-    args, key = read_engine(store, key, args_type, engine)
+    args, key, heartbeat_port = read_engine(store, key, args_type, engine)
     if model is not None:  # this machine keeps the checkpoint in a folder of its own
         args = replace(args, model=model)
     layout = NodeLayout(args.tensor_parallel_size, args.nnodes)
@@ -446,13 +620,14 @@ def run_node(master_addr: str, master_port: int, node: int, make_handler: Callab
                          "machine the same --nnodes")
     ranks = layout.ranks_of(node)
     claim_node(store, key, node, engine)
+    del store  # subtle: from here on rank 0 hears from this machine through its heartbeat server only
     # subtle: the ranks' body comes from the package by name, even when this runs in a notebook
     from minivllm.cluster.multinode import _remote_rank_main
     quiet = os.environ.get("TORCH_CPP_LOG_LEVEL")
     os.environ["TORCH_CPP_LOG_LEVEL"] = quiet or "ERROR"  # subtle: the ranks' lost connections, without C++ stacks
     try:
-        procs = {r: RankProcess(_remote_rank_main, r, master_addr, master_port, node, node_addr, args, key,
-                                make_handler, timeout_s, name=f"minivllm-rank{r}") for r in ranks}
+        procs = {r: RankProcess(_remote_rank_main, r, master_addr, master_port, heartbeat_port, node, node_addr, args,
+                                key, make_handler, timeout_s, name=f"minivllm-rank{r}") for r in ranks}
     finally:
         os.environ.pop("TORCH_CPP_LOG_LEVEL") if quiet is None else None
     which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
@@ -462,15 +637,10 @@ def run_node(master_addr: str, master_port: int, node: int, make_handler: Callab
             time.sleep(0.1)
             failed = next((r for r, p in procs.items() if p.exitcode not in (None, 0)), None)
             if failed is not None:
-                if procs[failed].exitcode == ENGINE_GONE or not engine_answers(master_addr, master_port):
+                if procs[failed].exitcode == ENGINE_GONE or not engine_answers(master_addr, heartbeat_port):
                     log(f"node {node}: {engine} is gone; stopping this node's ranks")
                     return 1
-                try:  # tell rank 0 now (unless the rank itself did); nobody to tell if rank 0 is the cause
-                    reported = store.get(f"error/{failed}") if store.check([f"error/{failed}"]) else b""
-                    if not _signed(key, reported, f"error/{failed}"):
-                        store.set(f"error/{failed}", key.sign(procs[failed].describe().encode(), f"error/{failed}"))
-                except RuntimeError:
-                    pass
+                report_failure(master_addr, heartbeat_port, failed, key, procs[failed].describe())  # now, not in 5 s
                 log(f"node {node}: rank {failed} {procs[failed].describe()}; stopping this node's other ranks")
                 return 1
             if all(p.exitcode == 0 for p in procs.values()):

@@ -35,7 +35,7 @@ class Ranks:
         self.runner: ModelRunner | None = None            # rank 0's, once started
         self.channel: ShmCommandChannel | None = None     # the workers on this machine (none at TP=1)
         self.remote: GlooCommandChannel | None = None     # the ranks on other machines (none with one machine)
-        self._store = None  # rank 0's rendezvous store (several machines): its ranks there see it go, and exit
+        self.monitor: HeartbeatMonitor | None = None  # the other machines' heartbeats (none with one machine)
         self._in_step = False  # a step is being computed (True when an interruption left it unfinished)
 
     @property
@@ -43,8 +43,8 @@ class Ranks:
 
     def close(self) -> None:
         "Stop the workers (the other machines' first), then leave rank 0's group. Idempotent: every exit path ends here."
-        remote, channel, runner = self.remote, self.channel, self.runner
-        self.remote = self.channel = self.runner = None
+        remote, channel, runner, monitor = self.remote, self.channel, self.runner, self.monitor
+        self.remote = self.channel = self.runner = self.monitor = None
         # subtle: a step left unfinished (Ctrl-C in rank 0's share) leaves the workers in its collectives, waiting for
         # rank 0 until their timeout: they cannot exit by themselves, so waiting for them would only delay the end
         grace_s = 0.0 if self._in_step else None
@@ -56,7 +56,8 @@ class Ranks:
         finally:
             if runner is not None:
                 runner.exit()
-            self._store = None
+            if monitor is not None:
+                monitor.close()  # subtle: last: a remote rank still leaving must not take rank 0 for dead
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.args.tensor_parallel_size} ranks over {self.args.nnodes} machine(s)"
@@ -80,12 +81,13 @@ def _start(self: Ranks, args: EngineArgs) -> EngineArgs:
     key = StoreKey()  # signs what this machine's ranks put in the store (several machines: the cluster's key)
     try:
         port = listener.getsockname()[1]
-        if args.nnodes > 1:  # the other machines read the engine's arguments from the store, and beat in it
+        if args.nnodes > 1:  # the other machines read the engine's arguments from the store
             from minivllm import cluster  # subtle: here, not with the module: one machine's engine never imports it
             args = replace(args, master_port=port)
-            store = self._store = store_server(args.master_addr, port, args.tensor_parallel_size, listener,
-                                               timedelta(seconds=args.timeout_s))
-            key, monitor = self._publish(store, args, port)
+            store = store_server(args.master_addr, port, args.tensor_parallel_size, listener,
+                                 timedelta(seconds=args.timeout_s))
+            key = self._publish(store, args, port)
+            monitor = self.monitor
         if layout.ranks_per_node > 1:
             self.channel = ShmCommandChannel(layout.ranks_per_node - 1)
             self.channel.start_workers(partial(ModelRunner, cluster_key=key), args, port)
@@ -107,6 +109,9 @@ def _start(self: Ranks, args: EngineArgs) -> EngineArgs:
         if store is not None:
             group = cluster.command_group(store, 0, len(layout.remote_ranks) + 1, args.master_addr)
             self.remote = cluster.GlooCommandChannel(group, key, ModelRunner.COMMANDS, monitor, timeout_s=args.timeout_s)
+            monitor.wait_ready(args.timeout_s)
+            # subtle: the last reference to rank 0's store: its server, and the port anyone could fill, close with it
+            store = None
         if self.runner.threads is not None and self.channel is not None:  # the workers' CPU time is the engine's
             self.runner.threads.pids |= {p.pid for p in self.channel.processes.values()}
     finally:
@@ -114,19 +119,23 @@ def _start(self: Ranks, args: EngineArgs) -> EngineArgs:
     return args
 
 @patch
-def _publish(self: Ranks, store, args: EngineArgs, port: int) -> tuple[ClusterKey, HeartbeatMonitor]:
-    "Put the engine's arguments in the store, sealed with the cluster's secret, and say how the other machines join."
+def _publish(self: Ranks, store, args: EngineArgs, port: int) -> ClusterKey:
+    "Start the heartbeat server, put the engine's arguments and its port in the store, sealed with the cluster's secret, and say how the other machines join; the engine's key."
     from minivllm import cluster
     secret = cluster.secret_from_env()
     given, secret = secret is not None, secret or cluster.new_secret()
-    key = cluster.publish_engine(store, cluster.ClusterKey(secret), args)  # sealed: only the secret's holders read it
+    key = cluster.new_engine_key(cluster.ClusterKey(secret))
+    remote = NodeLayout(args.tensor_parallel_size, args.nnodes).remote_ranks
+    self.monitor = cluster.HeartbeatMonitor(args.master_addr, remote, key)
+    # sealed: only the secret's holders read it
+    cluster.publish_engine(store, cluster.ClusterKey(secret), key, args, self.monitor.port)
     others = "node 1" if args.nnodes == 2 else f"nodes 1-{args.nnodes - 1}"
     command = f"minivllm worker --master-addr {args.master_addr} --master-port {port} --node-rank N"
     env = cluster.SECRET_ENV
     log.info(f"waiting for {others} to join: on each, with the same {env}, run `{command}`" if given
              else f"waiting for {others} to join: on each, run `{env}={secret} {command}` (no {env} "
                   "was set here, so this engine made one)")
-    return key, cluster.HeartbeatMonitor(store, NodeLayout(args.tensor_parallel_size, args.nnodes).remote_ranks, key)
+    return key
 
 @patch
 def start(self: Ranks) -> EngineArgs:
