@@ -136,6 +136,17 @@ class CausalLM(nn.Module):
         linear = sum(m.pack_for_cpu(gemm) for m in self.modules() if isinstance(m, LinearBase))
         return linear + self.lm_head.pack_for_cpu(free_weight=not self.config.tie_word_embeddings, gemm=gemm)
 
+    def cpu_gemms(self) -> dict[str, str]:
+        "Which GEMM multiplies each weight shape of this rank. Example: `{'qkv_proj 2048x1024': 'onednn', 'lm_head 75968x1024': 'onednn'}`."
+        used: dict[str, set[str]] = {}
+        for name, m in self.named_modules():
+            if isinstance(m, (LinearBase, ParallelLMHead)):
+                shape = m.packed.shape if m.packed is not None else tuple(m.weight.shape)
+                kernel = m.packed.kernel if m.packed is not None else "torch"
+                used.setdefault(f"{name.rpartition('.')[2]} {'x'.join(map(str, shape))}", set()).add(kernel)
+        # subtle: a shape's choice is made once per process (notebook 03a), so each shape lists one kernel
+        return {layer: "/".join(sorted(kernels)) for layer, kernels in used.items()}
+
 # %% ../nbs/07_models.ipynb #b496581b
 def checkpoint_files(path: str | Path) -> list[Path]:
     "The `*.safetensors` files of the checkpoint folder `path`, with a clear error when there are none."

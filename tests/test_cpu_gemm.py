@@ -195,7 +195,7 @@ def test_the_key_names_what_the_choice_depends_on(monkeypatch):
     monkeypatch.setattr(gemm, "cpu_model", lambda: "Test CPU [12345678]")
     key = json.loads(gemm_cache_key(rand(24, 16), GEMM_ROWS))
     assert key == ["Test CPU [12345678]", torch.__version__, torch.get_num_threads(), "float32", [24, 16], [1, 16, 64, 256],
-                   gemm_kernels()]  # the candidates too: a kernel added since is measured against the others
+                   "from memory", gemm_kernels()]  # the candidates too: a kernel added since is measured against the others
     assert gemm.cpu_model() != ""
 
 
@@ -301,6 +301,21 @@ def test_time_gemm_takes_turns_in_alternating_order(monkeypatch):
     assert times == {k: [[1.0] * 4, [1.0] * 4] for k in "abc"}
     turns = "abc" + "a" + "abc" + "cba" + "abc" + "cba"  # warm-up, the sizing call, four rounds
     assert order == [(k, 2) for k in turns] + [(k, 3) for k in turns]
+
+
+def test_time_gemm_reads_each_weight_from_memory(monkeypatch):
+    "The calls take turns over copies of the weight that together make `cold_bytes` (here 4 copies), never one copy twice in a row."
+    used = []
+
+    class Recorder:
+        def __init__(self, w): self.w = w
+        def __call__(self, x, bias=None): used.append(self.w.data_ptr()); return x
+    monkeypatch.setattr(gemm, "pack_weight", lambda w, kernel: Recorder(w))
+    W, ticks = rand(24, 16), iter(range(10_000))
+    time_gemm(W, ["a"], rows=(2,), rounds=8, sample_s=1.0, clock=lambda: float(next(ticks)), cold_bytes=4 * W.numel() * 4)
+    timed = used[2:]  # after the warm-up call and the sizing call
+    assert len(set(used)) == 4 and W.data_ptr() in used
+    assert all(a != b for a, b in zip(timed, timed[1:]))
 
 
 def test_time_gemm_on_real_kernels():

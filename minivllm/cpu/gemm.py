@@ -25,9 +25,10 @@ from . import kernels
 # %% auto #0
 __all__ = ['ONEDNN_DTYPES', 'GEMM_KERNELS', 'GEMM_ROWS', 'LOGIT_ROWS', 'UNSAVED_CHOICES', 'mkl_packing_available',
            'check_packable', 'check_fits', 'PackedWeight', 'onednn_packing_available', 'OneDNNWeight',
-           'BF16PanelWeight', 'gemm_kernels', 'pack_weight', 'cpu_gemm_setting', 'time_gemm', 'relative_times',
-           'pick_gemm', 'cpu_model', 'gemm_cache_key', 'gemm_cache_path', 'read_gemm_cache', 'save_gemm_choice',
-           'machine_busy', 'cores_busy_elsewhere', 'quiet_enough', 'choose_gemm', 'packed_weight']
+           'BF16PanelWeight', 'gemm_kernels', 'pack_weight', 'cpu_gemm_setting', 'last_level_cache_bytes',
+           'weight_copies', 'time_gemm', 'relative_times', 'pick_gemm', 'cpu_model', 'gemm_cache_key',
+           'gemm_cache_path', 'read_gemm_cache', 'save_gemm_choice', 'machine_busy', 'cores_busy_elsewhere',
+           'quiet_enough', 'choose_gemm', 'packed_weight']
 
 # %% ../../nbs/03a_cpu_gemm.ipynb #ed264a77
 @functools.cache
@@ -159,25 +160,44 @@ def cpu_gemm_setting(value: str | None = None) -> str:
 GEMM_ROWS = (1, 16, 64, 256)  # decode steps of 1, 16 and 64 sequences, and a chunk of prefill tokens
 LOGIT_ROWS = (1, 16, 64)  # the LM head multiplies one row per sequence, in prefill as in decode
 
+def last_level_cache_bytes() -> int:
+    "The CPU's largest cache in bytes (Linux's sysfs; 32 MiB where it cannot tell). Example: `33554432` on a 32 MiB L3."
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip() if f.exists() else ""
+        if text[:-1].isdigit() and text[-1] in "KM":
+            sizes.append(int(text[:-1]) << (10 if text[-1] == "K" else 20))
+    return max(sizes, default=32 << 20)
+
+def weight_copies(weight: torch.Tensor, cold_bytes: int) -> int:
+    "How many copies of `weight` to take turns with so that each call reads it from memory: `cold_bytes` of them, 1-64."
+    return max(1, min(64, -(-cold_bytes // max(1, weight.numel() * weight.element_size()))))
+
 def time_gemm(weight: torch.Tensor, kernels: list[str], rows: tuple[int, ...] = GEMM_ROWS, rounds: int = 7,
-              sample_s: float = 1e-3, clock: Callable[[], float] = time.perf_counter) -> dict[str, list[list[float]]]:
-    "Seconds per call of each kernel on `weight`, `[row count][round]`: the kernels take turns in every round."
-    calls = {}
+              sample_s: float = 1e-3, clock: Callable[[], float] = time.perf_counter,
+              cold_bytes: int | None = None) -> dict[str, list[list[float]]]:
+    "Seconds per call of each kernel on `weight`, read from memory, `[row count][round]`: the kernels take turns in every round."
+    # subtle: in a model each weight is read once per step, long after the cache held it: timed on one copy, a weight
+    # that fits the cache would be read from it, and the kernel best at that (not at reading memory) would win
+    copies = weight_copies(weight, 2 * last_level_cache_bytes() if cold_bytes is None else cold_bytes)
+    weights, calls = [weight] + [weight.clone() for _ in range(copies - 1)], {}
     for k in kernels:
-        p = pack_weight(weight, k)
-        calls[k] = (lambda x: F.linear(x, weight)) if p is None else p
-    g, samples = torch.Generator().manual_seed(0), {k: [] for k in kernels}
+        packed = [pack_weight(w, k) for w in weights]
+        calls[k] = [p if p is not None else (lambda x, w=w: F.linear(x, w)) for p, w in zip(packed, weights)]
+    g, samples, turn = torch.Generator().manual_seed(0), {k: [] for k in kernels}, 0
     for m in rows:
         x = torch.randn(m, weight.shape[1], generator=g, dtype=weight.dtype)
-        for call in calls.values(): call(x)  # subtle: oneDNN creates its primitive at the first call of a shape
-        start = clock(); calls[kernels[0]](x); once = clock() - start
+        for call in calls.values(): call[0](x)  # subtle: oneDNN creates its primitive at the first call of a shape
+        start = clock(); calls[kernels[0]][0](x); once = clock() - start
         reps = max(1, min(100, round(sample_s / max(once, 1e-7))))
         for k in kernels: samples[k].append([])
         for r in range(rounds):
             # subtle: alternate the order, so that no kernel always runs right after the same one
             for k in (kernels if r % 2 == 0 else kernels[::-1]):
                 start = clock()
-                for _ in range(reps): calls[k](x)
+                for _ in range(reps):
+                    calls[k][turn % copies](x)
+                    turn += 1
                 samples[k][-1].append((clock() - start) / reps)
     return samples
 
@@ -210,8 +230,9 @@ def gemm_cache_key(weight: torch.Tensor, rows: tuple[int, ...]) -> str:
     # measured again (torch's and MKL's change with torch's version, which the key has)
     ours = hashlib.sha1(kernels.BF16_GEMM_SOURCE.encode()).hexdigest()[:8]
     candidates = [f"{k} {ours}" if k == "avx512bf16" else k for k in gemm_kernels(weight.dtype)]
+    # "from memory": timed as `time_gemm` times it, each call reading its weight from memory, not from the cache
     return json.dumps([cpu_model(), torch.__version__, torch.get_num_threads(), str(weight.dtype).removeprefix("torch."),
-                       list(weight.shape), list(rows), candidates])
+                       list(weight.shape), list(rows), "from memory", candidates])
 
 def gemm_cache_path() -> Path:
     "The file of measured choices: `cpu_gemm.json` in `$MINIVLLM_CACHE`, else in `~/.cache/minivllm`."

@@ -364,8 +364,15 @@ def _build(self: ModelRunner) -> None:
     self.model.eval()
     if self.device.type == "cpu":
         # subtle: now, while this rank runs its most threads: MKL splits a packed weight among the threads that
-        # packed it, so one packed by fewer threads would never use more (notebook 03)
-        self.model.pack_for_cpu()
+        # packed it, so one packed by fewer threads would never use more (notebook 03). The first rank of each
+        # machine packs first, timing the GEMMs it has not timed before (notebook 03a) while the others wait: so the
+        # choice is made on a quiet machine, and the others read the same choices from the cache
+        first = self.layout.local_rank(rank) == 0
+        if first: self.model.pack_for_cpu()
+        if self.world_size > 1: self.comm.barrier()
+        if not first: self.model.pack_for_cpu()
+        # the kernels every weight shape got (the same on every rank of a machine): a debug line, and `model.cpu_gemms()`
+        logging.getLogger("minivllm").debug(f"rank {rank}: CPU GEMMs {self.model.cpu_gemms()}")
     self.sampler = Sampler() if rank == 0 else None
     self.generator = torch.Generator(self.device).manual_seed(args.seed)
     self.warmup()
