@@ -164,7 +164,7 @@ def _serve(self: HeartbeatMonitor) -> None:
                 return
             if event.fileobj is self._listener:
                 self._accept()
-            else:
+            elif event.fileobj in self._conns:  # subtle: not one `_accept` dropped earlier in this same batch
                 self._receive(event.fileobj)
 
 @patch
