@@ -5,12 +5,14 @@
 # %% ../nbs/17a_checkpoints.ipynb #0fea3b8d
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['SHAPES', 'make_tiny_checkpoint', 'random_checkpoint']
+__all__ = ['SHAPES', 'make_tiny_checkpoint', 'add_packaged_tokenizer', 'random_checkpoint']
 
 # %% ../nbs/17a_checkpoints.ipynb #ea55be3c
 def make_tiny_checkpoint(path: str | Path, model_type: str = "qwen3", *, tie_word_embeddings: bool = False,
@@ -47,6 +49,18 @@ SHAPES = {  # real models' shapes, for random-weight checkpoints of the same cos
                          tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=100000.0),
 }
 
+def add_packaged_tokenizer(path: str | Path) -> Path:
+    "Copy the packaged model's tokenizer into checkpoint `path`, whose vocabulary must hold the tokenizer's ids."
+    from minivllm.config import DEFAULT_MODEL, TOKENIZER_FILES
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    tokens = len(json.loads((DEFAULT_MODEL / "tokenizer.json").read_text())["model"]["vocab"])
+    if tokens > vocab:
+        raise ValueError(f"the packaged tokenizer's {tokens} tokens do not fit {path}'s vocabulary of {vocab}")
+    for name in TOKENIZER_FILES:
+        if (DEFAULT_MODEL / name).exists():
+            shutil.copyfile(DEFAULT_MODEL / name, Path(path) / name)
+    return Path(path)
+
 def random_checkpoint(shape: str, cache: str | Path | None = None) -> Path:
     "A random-weight float32 checkpoint of a real model's `shape` (see SHAPES), built once in `cache` and reused."
     if shape not in SHAPES:
@@ -57,4 +71,7 @@ def random_checkpoint(shape: str, cache: str | Path | None = None) -> Path:
         print(f"building a random-weight {shape} checkpoint in {path} (once)", file=sys.stderr, flush=True)
         kw = dict(SHAPES[shape])
         make_tiny_checkpoint(path, kw.pop("model_type"), initializer_range=0.02, **kw)
+    from minivllm.config import has_tokenizer
+    if not has_tokenizer(path):  # subtle: also a checkpoint built before its shapes came with a tokenizer
+        add_packaged_tokenizer(path)
     return path
