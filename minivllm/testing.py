@@ -11,6 +11,7 @@ import pickle
 import signal
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
@@ -34,14 +35,15 @@ from .cluster.wire import ClusterKey
 from .shm_allreduce import SEGMENT_PREFIX
 
 # %% auto #0
-__all__ = ['CHAT_TEMPLATE', 'ATTENTION_TOL', 'FAKE_VOCAB', 'BAD_REQUEST_VALUES', 'make_chat_checkpoint', 'greedy_generate',
-           'prefill_logits', 'hf_logits', 'hf_greedy', 'rand', 'load_layer', 'load_tensors', 'split_heads',
-           'gqa_attention', 'TinyLM', 'hf_rope', 'hf_rotate', 'dense_causal_attention', 'random_sequences', 'cat_rows',
-           'scattered_block_tables', 'tiny_store_inputs', 'PagedCase', 'check_prefill_then_decode', 'check_invariants',
-           'next_token', 'FakeRunner', 'reference_tokens', 'check_batch', 'step_states', 'run_scheduler',
-           'InterruptedAfterOneStep', 'Recorder', 'records', 'CommandRecorder', 'serve_commands', 'gone', 'wait_until',
-           'rank_processes', 'shm_segments', 'leftover_segments', 'server_metrics', 'engine_idle_after', 'rss_mib',
-           'WorkerNode', 'tcp_listeners']
+__all__ = ['CHAT_TEMPLATE', 'ATTENTION_TOL', 'PROGRAM_ORDERS', 'FAKE_VOCAB', 'BAD_REQUEST_VALUES', 'make_chat_checkpoint',
+           'greedy_generate', 'prefill_logits', 'hf_logits', 'hf_greedy', 'rand', 'load_layer', 'load_tensors',
+           'split_heads', 'gqa_attention', 'TinyLM', 'hf_rope', 'hf_rotate', 'dense_causal_attention',
+           'random_sequences', 'cat_rows', 'scattered_block_tables', 'tiny_store_inputs', 'PagedCase',
+           'check_prefill_then_decode', 'interpreter_programs', 'written_twice', 'check_invariants', 'next_token',
+           'FakeRunner', 'reference_tokens', 'check_batch', 'step_states', 'run_scheduler', 'InterruptedAfterOneStep',
+           'Recorder', 'records', 'CommandRecorder', 'serve_commands', 'gone', 'wait_until', 'rank_processes',
+           'shm_segments', 'leftover_segments', 'server_metrics', 'engine_idle_after', 'rss_mib', 'WorkerNode',
+           'tcp_listeners']
 
 # %% ../nbs/18_testing.ipynb #9570d09d
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -253,6 +255,72 @@ def check_prefill_then_decode(case: PagedCase, cached: list[int], backend: str |
     md = decode_metadata(case.tables, case.lengths, case.block_size, case.device)
     out = case.run(attn, last, None, md)
     torch.testing.assert_close(out.float(), torch.stack([e[-1] for e in case.expected]), **ATTENTION_TOL[case.dtype])
+
+# %% ../nbs/18_testing.ipynb #0405b8cf
+PROGRAM_ORDERS = ("in order", "reversed", "shuffled")
+
+@contextmanager
+def interpreter_programs(order: str = "in order", seed: int = 0):
+    "Run every Triton-interpreter grid's programs in `order` and record their stores: yields a list of launches, each `{program: [addresses]}`."
+    import random
+
+    import numpy as np
+    from triton.runtime import interpreter
+    if order not in PROGRAM_ORDERS:
+        raise ValueError(f"unknown program order {order!r}: use one of {', '.join(PROGRAM_ORDERS)}")
+    builder, launches, grid = interpreter.interpreter_builder, [], {}
+    hooks = ("set_grid_dim", "set_grid_idx", "create_store", "create_masked_store")
+    if not all(hasattr(builder, h) for h in hooks):
+        raise RuntimeError(f"this triton's interpreter has no {'/'.join(hooks)}: interpreter_programs needs triton >= 3.2")
+    own = {h: getattr(type(builder), h).__get__(builder) for h in hooks}
+
+    def set_grid_dim(nx, ny, nz):
+        programs = [(x, y, z) for x in range(nx) for y in range(ny) for z in range(nz)]
+        if order == "reversed": programs.reverse()
+        elif order == "shuffled": random.Random(seed + len(launches)).shuffle(programs)
+        grid.update(dims=(ny, nz), programs=programs)
+        launches.append({})
+        own["set_grid_dim"](nx, ny, nz)
+
+    def set_grid_idx(x, y, z):  # subtle: the interpreter walks the grid in order; program (x, y, z) runs another's turn
+        ny, nz = grid["dims"]
+        grid["now"] = grid["programs"][(x * ny + y) * nz + z]
+        own["set_grid_idx"](*grid["now"])
+
+    def record(ptrs, mask=None):
+        addresses = ptrs.data if mask is None else np.broadcast_to(ptrs.data, mask.data.shape)[mask.data]
+        launches[-1].setdefault(grid["now"], []).append(np.asarray(addresses).ravel().copy())
+
+    def create_store(ptr, val, *rest):
+        record(ptr)
+        return own["create_store"](ptr, val, *rest)
+
+    def create_masked_store(ptrs, value, mask, *rest):
+        record(ptrs, mask)
+        return own["create_masked_store"](ptrs, value, mask, *rest)
+
+    for h, f in zip(hooks, (set_grid_dim, set_grid_idx, create_store, create_masked_store)):
+        setattr(builder, h, f)
+    try:
+        yield launches
+    finally:
+        for h in hooks: delattr(builder, h)
+
+def written_twice(launch: dict) -> dict[int, list[tuple]]:
+    "The addresses that more than one program of a launch stored to, each with those programs: a race on a GPU."
+    import numpy as np
+    if not launch:
+        return {}
+    programs = list(launch)
+    addresses = [np.unique(np.concatenate(launch[p])) for p in programs]
+    owner = np.concatenate([np.full(len(a), i) for i, a in enumerate(addresses)])
+    flat = np.concatenate(addresses)
+    values, counts = np.unique(flat, return_counts=True)
+    shared = set(values[counts > 1].tolist())
+    out = {}
+    for a, i in zip(flat.tolist(), owner.tolist()):
+        if a in shared: out.setdefault(a, []).append(programs[i])
+    return out
 
 # %% ../nbs/18_testing.ipynb #ce5a066f
 def check_invariants(bm: BlockManager, tables: list[list[int]], tokens: list[list[int]] | None = None) -> None:

@@ -153,7 +153,9 @@ if HAS_TRITON:
         rows = tl.arange(0, BLOCK_M)
         query = first_q + rows // GROUP  # row r: query first_q + r // GROUP of the sequence, head r % GROUP of the group
         head = kv_head * GROUP + rows % GROUP
-        row_ok = query < q_len
+        # subtle: BLOCK_M need not be a multiple of GROUP (64 rows, 3 heads: 21 queries and a spare row); a spare row
+        # would compute the next program's first query, and on a GPU two programs would race to write it
+        row_ok = (query < q_len) & (rows < BLOCK_Q * GROUP)
         positions = seq_len - q_len + query  # the queries are the sequence's last tokens; position i sees keys 0..i
         dims = tl.arange(0, HEAD_PAD)
         tokens = (q_start + query).to(tl.int64)
