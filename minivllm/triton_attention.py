@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -21,8 +23,9 @@ if HAS_TRITON:
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # %% auto #0
-__all__ = ['INTERPRETED', 'LOG2E', 'KEY_TILE', 'DECODE_SPLITS', 'TRITON_DTYPES', 'store_kvcache_triton', 'triton_block_rows',
-           'decode_splits', 'paged_attention_triton']
+__all__ = ['INTERPRETED', 'LOG2E', 'DECODE_SPLITS', 'TRITON_DTYPES', 'REGISTERS_PER_SM', 'REGISTER_UNIT', 'MAX_WARPS_PER_SM',
+           'MAX_BLOCKS_PER_SM', 'SHARED_PER_SM', 'SHARED_RESERVED_PER_BLOCK', 'store_kvcache_triton', 'TritonTiles',
+           'triton_tiles', 'decode_splits', 'paged_attention_triton', 'blocks_per_sm']
 
 # %% ../nbs/06b_triton_attention.ipynb #a92c21a7
 if HAS_TRITON:
@@ -123,7 +126,9 @@ if HAS_TRITON:
 
 # %% ../nbs/06b_triton_attention.ipynb #c8f5b29f
 if HAS_TRITON:
-    @triton.jit
+    # subtle: Triton compiles a variant per value class of an integer argument (1, a multiple of 16, other): the
+    # sequence count and the block tables' width change every step, so they must not choose the variant
+    @triton.jit(do_not_specialize=["num_seqs", "block_table_stride"])
     def _paged_attention_kernel(
             out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr,
             cu_seqlens_q_ptr, seq_info_ptr, num_seqs, q_token_stride, q_head_stride, k_row_stride, k_head_stride,
@@ -153,8 +158,8 @@ if HAS_TRITON:
         rows = tl.arange(0, BLOCK_M)
         query = first_q + rows // GROUP  # row r: query first_q + r // GROUP of the sequence, head r % GROUP of the group
         head = kv_head * GROUP + rows % GROUP
-        # subtle: BLOCK_M need not be a multiple of GROUP (64 rows, 3 heads: 21 queries and a spare row); a spare row
-        # would compute the next program's first query, and on a GPU two programs would race to write it
+        # subtle: BLOCK_M need not be a multiple of GROUP (32 rows, 3 heads: 10 queries and two spare rows); a spare
+        # row would compute the next program's first query, and on a GPU two programs would race to write it
         row_ok = (query < q_len) & (rows < BLOCK_Q * GROUP)
         positions = seq_len - q_len + query  # the queries are the sequence's last tokens; position i sees keys 0..i
         dims = tl.arange(0, HEAD_PAD)
@@ -205,13 +210,22 @@ if HAS_TRITON:
 
 # %% ../nbs/06b_triton_attention.ipynb #8db646b1
 LOG2E = 1.4426950408889634  # the kernel's exponentials are exp2: scores are scaled by log2(e) once
-KEY_TILE = 32  # keys per step of the inner loop
 DECODE_SPLITS = 16  # flash-decoding's share count for a small decode batch
 
-def triton_block_rows(num_heads: int, num_kv_heads: int, decode: bool) -> int:
-    "Query rows per program (BLOCK_M): `tl.dot` needs at least 16; a prefill program takes more queries at once."
-    group = num_heads // num_kv_heads
-    return max(16 if decode else 64, triton.next_power_of_2(group))
+class TritonTiles(NamedTuple):
+    "How the attention kernel cuts its work: query rows a program (BLOCK_M), keys a tile, warps a program."
+    block_m: int
+    tile: int
+    warps: int
+
+def triton_tiles(num_heads: int, num_kv_heads: int, decode: bool, dtype: torch.dtype) -> TritonTiles:
+    "A program's rows (at least 16, what `tl.dot` takes; a prefill's hold more queries), keys a tile and warps."
+    # subtle: chosen so that no variant spills registers on sm_80 or sm_90 with triton 3.6 or 3.9
+    # (tools/gpu_compile_report.py): 64 prefill rows spill in 16-bit with a group of 8; float32's IEEE products run on
+    # the FMA units with twice a 16-bit tile's registers, so its tiles take half the keys, its prefill twice the warps
+    wide = dtype == torch.float32
+    rows = max(16 if decode else 32, triton.next_power_of_2(num_heads // num_kv_heads))
+    return TritonTiles(rows, 16 if wide else 32, 8 if wide and not decode else 4)
 
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
@@ -259,7 +273,7 @@ def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     splits = (num_splits or decode_splits(T, KVH, q.device)) if decode else 1
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {splits}")
-    block_m = triton_block_rows(H, KVH, decode)
+    tiles = triton_tiles(H, KVH, decode, q.dtype)
     head_pad = max(16, triton.next_power_of_2(D))  # a power of two, and at least what `tl.dot` takes
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     if T == 0:
@@ -269,16 +283,31 @@ def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
         grid, cu_q, seq_info, num_seqs = (T, KVH, splits), md.context_lens, md.context_lens, T
     else:  # an upper bound on the query blocks, from shapes alone
         num_seqs = md.cu_seqlens_q.shape[0] - 1
-        grid, cu_q, seq_info = (T // (block_m // (H // KVH)) + num_seqs, KVH, 1), md.cu_seqlens_q, md.cu_seqlens_k
+        grid, cu_q, seq_info = (T // (tiles.block_m // (H // KVH)) + num_seqs, KVH, 1), md.cu_seqlens_q, md.cu_seqlens_k
     parts = ((torch.empty(T, H, splits, D, dtype=torch.float32, device=q.device),
               torch.empty(T, H, splits, dtype=torch.float32, device=q.device),
               torch.empty(T, H, splits, dtype=torch.float32, device=q.device)) if splits > 1 else (out, out, out))
     _paged_attention_kernel[grid](
         out, *parts, q, keys, values, tables, cu_q, seq_info, num_seqs, q.stride(0), q.stride(1),
         keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), tables.stride(0), scale * LOG2E,
-        GROUP=H // KVH, HEAD=D, HEAD_PAD=head_pad, BLOCK_M=block_m, TILE=KEY_TILE,
+        GROUP=H // KVH, HEAD=D, HEAD_PAD=head_pad, BLOCK_M=tiles.block_m, TILE=tiles.tile,
         BLOCK_SIZE=block_size, DECODE=decode, PAGED=paged, SPLITS=splits, IEEE=q.dtype == torch.float32,
-        WIDEN=q.device.type == "cpu")
+        WIDEN=q.device.type == "cpu", num_warps=tiles.warps)
     if splits > 1:
         _merge_splits_kernel[(T, H)](out, *parts, HEAD=D, HEAD_PAD=head_pad, SPLITS=splits)
     return out
+
+# %% ../nbs/06b_triton_attention.ipynb #c3c6b8ee
+REGISTERS_PER_SM, REGISTER_UNIT, MAX_WARPS_PER_SM, MAX_BLOCKS_PER_SM = 65536, 256, 64, 32  # sm_80 and sm_90 alike
+SHARED_PER_SM = {80: 164 * 1024, 86: 100 * 1024, 89: 100 * 1024, 90: 228 * 1024}  # bytes an SM gives its blocks
+SHARED_RESERVED_PER_BLOCK = 1024  # what the CUDA runtime keeps of each block's shared memory
+
+def blocks_per_sm(registers: int, shared_bytes: int, warps: int, arch: int) -> tuple[int, str]:
+    "How many programs of a kernel variant one multiprocessor holds at once, and which of its resources runs out first."
+    if arch not in SHARED_PER_SM:
+        raise ValueError(f"unknown compute capability {arch}: use one of {sorted(SHARED_PER_SM)}")
+    per_warp = math.ceil(max(registers, 1) * 32 / REGISTER_UNIT) * REGISTER_UNIT  # registers come in units of 256
+    limits = {"registers": REGISTERS_PER_SM // per_warp // warps, "warps": MAX_WARPS_PER_SM // warps,
+              "blocks": MAX_BLOCKS_PER_SM, "shared memory": SHARED_PER_SM[arch] // (shared_bytes + SHARED_RESERVED_PER_BLOCK)}
+    limit = min(limits, key=limits.get)
+    return limits[limit], limit

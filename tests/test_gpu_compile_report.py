@@ -1,0 +1,74 @@
+"""tools/gpu_compile_report.py: every Triton kernel of the package compiles for sm_80 and sm_90 on this machine (no
+GPU), and no variant spills registers."""
+import importlib.util
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from minivllm.attention import HAS_TRITON
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+TOOL = ROOT / "tools" / "gpu_compile_report.py"
+
+
+def run_report(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    "The tool in a process of its own, with the interpreter off (the kernels must be compiled, not interpreted)."
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def tool():
+    spec = importlib.util.spec_from_file_location("gpu_compile_report", TOOL)
+    module = sys.modules["gpu_compile_report"] = importlib.util.module_from_spec(spec)  # (its dataclass looks it up)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report") / "report.json"
+    run = run_report("--json", str(out))
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run.stdout, json.loads(out.read_text())
+
+
+def test_every_variant_compiles_for_sm80_and_sm90(report):
+    "Every kernel, dtype, head size and group the report promises, for both archs: one row each, none missing."
+    table, rows = report
+    import triton
+    assert f"Compiled by triton {triton.__version__} for sm_80/sm_90" in table
+    attention = {"prefill", "prefill over a prefix", "decode", "split decode"}
+    t = tool()
+    want = {(k, d, h, g, a) for k, d, h, g, a in itertools.product(attention, t.DTYPES, t.HEAD_SIZES, t.GROUPS, t.ARCHS)}
+    want |= {(k, d, h, None, a) for k, d, h, a in itertools.product(("store", "merge splits"), t.DTYPES, t.HEAD_SIZES, t.ARCHS)}
+    got = [(r["kernel"], r["dtype"], r["head_size"], r["group"], r["arch"]) for r in rows]
+    assert sorted(got, key=str) == sorted(want, key=str)
+    assert all(r["registers"] > 0 and r["blocks_per_sm"] >= 1 for r in rows)
+    assert table.count("| sm_") == len(rows)
+
+
+def test_no_variant_spills(report):
+    "16-bit variants (what GPUs serve) and float32 ones keep every value in registers."
+    _, rows = report
+    spilling = [r for r in rows if r["spill_bytes"]]
+    assert not [r for r in spilling if r["dtype"] != "float32"], spilling
+    assert not spilling, spilling
+
+
+def test_the_report_covers_every_kernel_of_the_package():
+    "A kernel added to the package without a launch in the report is named, not left out."
+    assert tool().package_kernels() == {"_paged_attention_kernel", "_merge_splits_kernel", "_store_kvcache_kernel"}
+
+
+def test_quick_takes_qwen3_shapes_and_refuses_an_unknown_arch():
+    run = run_report("--quick", "--arch", "90")
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = [line for line in run.stdout.splitlines() if "| sm_90 |" in line]
+    assert len(rows) == 6 and all("| bfloat16 | 128 |" in line for line in rows)
+    bad = run_report("--arch", "75")
+    assert bad.returncode == 2 and "unknown compute capability [75]" in bad.stderr
