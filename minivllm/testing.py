@@ -39,11 +39,11 @@ __all__ = ['CHAT_TEMPLATE', 'ATTENTION_TOL', 'PROGRAM_ORDERS', 'FAKE_VOCAB', 'BA
            'greedy_generate', 'prefill_logits', 'hf_logits', 'hf_greedy', 'rand', 'load_layer', 'load_tensors',
            'split_heads', 'gqa_attention', 'TinyLM', 'hf_rope', 'hf_rotate', 'dense_causal_attention',
            'random_sequences', 'cat_rows', 'scattered_block_tables', 'tiny_store_inputs', 'PagedCase',
-           'check_prefill_then_decode', 'interpreter_programs', 'written_twice', 'check_invariants', 'next_token',
-           'FakeRunner', 'reference_tokens', 'check_batch', 'step_states', 'run_scheduler', 'InterruptedAfterOneStep',
-           'Recorder', 'records', 'CommandRecorder', 'serve_commands', 'gone', 'wait_until', 'rank_processes',
-           'shm_segments', 'leftover_segments', 'server_metrics', 'engine_idle_after', 'rss_mib', 'WorkerNode',
-           'tcp_listeners']
+           'check_prefill_then_decode', 'interpreter_programs', 'written_twice', 'jit_variant', 'triton_variants',
+           'check_invariants', 'next_token', 'FakeRunner', 'reference_tokens', 'check_batch', 'step_states',
+           'run_scheduler', 'InterruptedAfterOneStep', 'Recorder', 'records', 'CommandRecorder', 'serve_commands',
+           'gone', 'wait_until', 'rank_processes', 'shm_segments', 'leftover_segments', 'server_metrics',
+           'engine_idle_after', 'rss_mib', 'WorkerNode', 'tcp_listeners']
 
 # %% ../nbs/18_testing.ipynb #9570d09d
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -321,6 +321,39 @@ def written_twice(launch: dict) -> dict[int, list[tuple]]:
     for a, i in zip(flat.tolist(), owner.tolist()):
         if a in shared: out.setdefault(a, []).append(programs[i])
     return out
+
+# %% ../nbs/18_testing.ipynb #72adde89
+def jit_variant(kernel, *args, arch: int = 90, **kwargs) -> tuple[str, str]:
+    "The variant Triton's JIT compiles for this launch on an NVIDIA GPU of compute capability `arch`: its name and key."
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+    if not isinstance(kernel, JITFunction):  # the interpreter's: the same function and decorator arguments
+        kernel = JITFunction(kernel.fn, **kernel.kwargs)
+    binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", arch, 32)))
+    _, specialization, options = binder(*args, **kwargs, debug=False)
+    return kernel.fn.__name__, f"{specialization} {options}"
+
+@contextmanager
+def triton_variants(module):
+    "Record the `jit_variant` of every launch of `module`'s Triton kernels (its `*_kernel` attributes): yields the list."
+    variants, kernels = [], {name: k for name, k in vars(module).items() if name.endswith("_kernel")}
+
+    class Recording:
+        def __init__(self, kernel): self.kernel = kernel
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                variants.append(jit_variant(self.kernel, *args, **kwargs))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name, kernel in kernels.items():
+        setattr(module, name, Recording(kernel))
+    try:
+        yield variants
+    finally:
+        for name, kernel in kernels.items():
+            setattr(module, name, kernel)
 
 # %% ../nbs/18_testing.ipynb #ce5a066f
 def check_invariants(bm: BlockManager, tables: list[list[int]], tokens: list[list[int]] | None = None) -> None:

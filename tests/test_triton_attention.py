@@ -17,7 +17,7 @@ from minivllm.attention import (HAS_TRITON, TRITON_RUNS_ON_CPU, Attention, atten
                                 paged_attention_torch)
 from minivllm.kv_cache import decode_metadata, prefill_metadata
 from minivllm.testing import (ATTENTION_TOL, PagedCase, check_prefill_then_decode, hf_greedy, interpreter_programs,
-                              make_tiny_checkpoint, written_twice)
+                              make_tiny_checkpoint, triton_variants, written_twice)
 
 transformers.logging.set_verbosity_error()
 ON_GPU = torch.cuda.is_available()
@@ -201,3 +201,20 @@ def test_engine_at_tp2_takes_the_backend_from_the_environment(tmp_path, monkeypa
         outs = llm.generate(PROMPTS,
                             SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS, 6)
+
+
+@on_cpu_only
+def test_start_up_compiles_every_kernel_variant_a_run_launches(tmp_path):
+    "Every variant launched while generating (each a compile on a GPU) was launched by the engine's start-up already."
+    import minivllm.triton_attention as ta
+    path = make_tiny_checkpoint(tmp_path / "m", **TINY["qwen3"])
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with triton_variants(ta) as launched:
+        with LLM(str(path), attention_backend="TRITON_ATTN", max_num_seqs=4, device="cpu") as llm:
+            started = len(launched)
+            llm.generate(PROMPTS, params, use_tqdm=False)
+            llm.generate([PROMPTS[1][:33] + [5, 6]], params, use_tqdm=False)  # two blocks cached: over a prefix
+    at_start, running = set(launched[:started]), set(launched[started:])
+    assert running <= at_start, running - at_start
+    # a prefill, a prefill over a prefix and a decode: what a run launches on the CPU (no splits; the C++ store)
+    assert len(running) == 3 and {name for name, _ in running} == {"_paged_attention_kernel"}

@@ -381,6 +381,7 @@ def _build(self: ModelRunner) -> None:
     self.kv_cache = allocate_kv_cache(c.num_hidden_layers, self.num_blocks, self.block_size,
                                       c.num_kv_heads_per_rank, c.head_dim, c.dtype, self.device)
     self.graphs = None  # decode CUDA graphs (notebook 12): on CUDA unless enforce_eager
+    self.warm_kernels()
     if self.device.type == "cuda" and not args.enforce_eager:
         from minivllm.engine.cuda_graphs import DecodeGraphs
         self.graphs = DecodeGraphs(self.model, self.kv_cache, args.max_num_seqs,
@@ -408,6 +409,21 @@ def warmup(self: ModelRunner) -> None:
     lengths = [self.max_model_len] * (tokens // self.max_model_len) + ([tokens % self.max_model_len] if tokens % self.max_model_len else [])
     step = StepInputs(True, [0] * tokens, [0] * len(lengths), lengths, [[] for _ in lengths])
     self._forward(step, kv_cache=None)
+
+@patch
+@torch.no_grad()
+def warm_kernels(self: ModelRunner) -> None:
+    "Run each kind of step that reads the cache once, so that every kernel variant a run launches is built now."
+    # subtle: a GPU kernel compiles at its first launch of a variant (its dtype, decode or prefill, flash-decoding's
+    # splits or none): here, not inside a request's step, a benchmark's timing or a CUDA graph's capture. The steps
+    # write block 0, which no sequence holds yet
+    steps = [StepInputs(True, [0], [1], [1], [[0]]),  # a prefill over a cached prefix (and the cache's store)
+             StepInputs(False, [0], [1], [1], [[0]])]  # a decode of one sequence: split, where a GPU has room
+    if self.device.type == "cuda":  # the most sequences: a decode that fills the GPU without splits
+        n = self.args.max_num_seqs
+        steps.append(StepInputs(False, [0] * n, [1] * n, [1] * n, [[0]] * n))
+    for step in steps:
+        self._forward(step, self.kv_cache)
 
 @patch
 def _blocks_from_budget(self: ModelRunner) -> int:
