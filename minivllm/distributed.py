@@ -5,12 +5,14 @@
 # %% ../nbs/01_distributed.ipynb #4c59fbb7
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import hashlib
 import hmac
 import logging
 import os
 import pickle
+import platform
 import secrets
 import select
 import signal
@@ -18,6 +20,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -35,7 +38,7 @@ from fastcore.basics import patch
 __all__ = ['log', 'divide', 'Communicator', 'CountingCommunicator', 'describe_exit', 'RankProcess', 'free_port', 'listen_socket',
            'RankFailure', 'process_state', 'PeerWatch', 'NodeLayout', 'StoreKey', 'SignedStore', 'ClosableStore',
            'default_device', 'default_backend', 'store_server', 'ProcessGroupCommunicator', 'shutdown_groups',
-           'run_on_ranks', 'end_processes']
+           'open_descriptors', 'close_gloo_listeners', 'run_on_ranks', 'end_processes']
 
 # %% ../nbs/01_distributed.ipynb #aff03d8a
 def divide(numerator: int, denominator: int, what: str = "value") -> int:
@@ -563,6 +566,79 @@ def barrier(self: ProcessGroupCommunicator) -> None:
     if self.world_size == 1: return
     self.all_reduce(torch.zeros(1))  # a tiny all-reduce: gloo's own barrier cannot be watched the same way
 
+# %% ../nbs/01_distributed.ipynb #acc2d15e
+def open_descriptors() -> dict[int, str]:
+    "This process's file descriptors and what each is (`socket:[inode]`, `anon_inode:[eventpoll]`, a path); {} without /proc."
+    found = {}
+    for name in (os.listdir("/proc/self/fd") if _HAS_PROC else []):
+        try:
+            found[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the descriptor that listed the folder (closed by now), or another thread's
+            pass
+    return found
+
+def _is_tcp_listener(fd: int) -> bool:
+    "Whether descriptor `fd` is a listening TCP socket."
+    copy = os.dup(fd)
+    try:
+        s = socket.socket(fileno=copy)
+    except OSError:  # a socket of a family Python does not know
+        os.close(copy)
+        return False
+    with s:
+        return (s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM
+                and s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1)
+
+def _epoll_watches(epfd: int) -> dict[int, tuple[int, int]]:
+    "What this process's epoll instance `epfd` watches: descriptor -> (events, data), as Linux lists them."
+    watches = {}
+    with open(f"/proc/self/fdinfo/{epfd}") as f:
+        for line in f:  # tfd:       18 events:       19 data:     55d2c07a1b10  pos:0 ino:f5de sdev:8
+            if line.startswith("tfd:"):
+                fields = line.split()
+                watches[int(fields[1])] = (int(fields[3], 16), int(fields[5], 16))
+    return watches
+
+# subtle: the kernel's `struct epoll_event` is packed on x86-64 (12 bytes) and naturally aligned elsewhere (16)
+_EPOLL_EVENT = "=IQ" if platform.machine() in ("x86_64", "AMD64") else "@IQ"  # events, data
+_EPOLL_CTL_ADD = 1
+
+def _unreachable_listener() -> socket.socket:
+    "A non-blocking unix listener nobody can connect to: its path is removed as soon as it listens."
+    with tempfile.TemporaryDirectory(prefix="minivllm-") as folder:  # mode 0700: nobody else, even meanwhile
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(os.path.join(folder, "listener"))
+        s.listen(1)
+    s.setblocking(False)
+    return s
+
+def close_gloo_listeners(before: dict[int, str]) -> list[int]:
+    "Close the TCP port of the gloo devices made since `before = open_descriptors()`, once their pairs are connected; the descriptors swapped."
+    if os.environ.get("TORCH_GLOO_LAZY_INIT", "0").lower() not in ("0", "false", "no", ""):
+        return []  # pairs that connect at their first use need the listener as long as the group lives
+    new = {fd: what for fd, what in open_descriptors().items() if before.get(fd) != what}
+    loops = {fd: _epoll_watches(fd) for fd, what in new.items() if what == "anon_inode:[eventpoll]"}
+    swapped = []
+    for fd, what in new.items():
+        watched = [(loop, watches[fd]) for loop, watches in loops.items() if fd in watches]
+        if not what.startswith("socket:") or len(watched) != 1 or not _is_tcp_listener(fd):
+            continue
+        [(loop, (events, data))] = watched
+        # subtle: `keep` holds the listener, and its entry in gloo's loop, until the stand-in is registered there;
+        # if that fails, the listener goes back (open is better than a loop that aborts at shutdown)
+        keep = os.dup(fd)
+        try:
+            with _unreachable_listener() as stand_in:
+                os.dup2(stand_in.fileno(), fd, inheritable=False)
+            event = ctypes.create_string_buffer(struct.pack(_EPOLL_EVENT, events, data), struct.calcsize(_EPOLL_EVENT))
+            if ctypes.CDLL(None, use_errno=True).epoll_ctl(loop, _EPOLL_CTL_ADD, fd, event) != 0:
+                os.dup2(keep, fd, inheritable=False)
+                continue
+            swapped.append(fd)
+        finally:
+            os.close(keep)  # on success the TCP socket's last reference: it closes, and its port with it
+    return swapped
+
 # %% ../nbs/01_distributed.ipynb #51605de6
 @patch(cls_method=True)
 def connect(cls: ProcessGroupCommunicator, rank: int | None = None, world_size: int | None = None, port: int | None = None, *,
@@ -631,12 +707,14 @@ def _join(cls: ProcessGroupCommunicator, store, rank, world_size, bind, node, ke
     watch = PeerWatch({r: pid for r, (h, pid) in ranks.items() if r != rank and h == here}, peers_alive)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
+    opened = open_descriptors()  # before the device: its listener and its event loop appear after this
     # subtle: gloo listens for its peers too; bind that to the rendezvous address, not the host name's address.
     if env_launch and not os.environ["MASTER_ADDR"].startswith(("127.", "localhost")):
         opts._devices = [dist.ProcessGroupGloo.create_default_device()]  # several hosts: this host's own address
     else:
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1" if env_launch else bind)]
     cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, opts)
+    close_gloo_listeners(opened)  # its pairs are connected: nobody needs to reach this rank's gloo port any more
     device_group = None
     if backend == "nccl":
         nccl_opts = dist.ProcessGroupNCCL.Options()

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from fastcore.basics import patch
 
 from ..distributed import ClosableStore, NodeLayout, RankFailure, RankProcess, end_processes, shutdown_groups  # noqa: F401 (NodeLayout: importable here too)
+from ..distributed import close_gloo_listeners, open_descriptors
 from ..engine.ipc import OwnerDied, worker_loop
 from .wire import SECRET_ENV, ClusterKey, CommandCodec, Untrusted, fields_from_wire, fields_to_wire
 
@@ -327,15 +328,18 @@ _HEAD = struct.Struct("<QQ")  # the signed command's length, its number
 _IDLE = timedelta(days=365)  # how long a command may take to come: the engine may idle for as long as it likes
 
 def command_group(store: dist.Store, rank: int, size: int, address: str) -> dist.ProcessGroup:
-    "The gloo group over which rank 0 (group rank 0) sends commands to the remote ranks; listening on `address`."
+    "The gloo group over which rank 0 (group rank 0) sends commands to the remote ranks; built on `address`, whose port then closes."
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = _IDLE
+    opened = open_descriptors()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
     closable = ClosableStore(store)
     try:  # subtle: built, the group lets go of the store, so that rank 0's store (and its port) can close
-        return dist.ProcessGroupGloo(dist.PrefixStore("commands/", closable), rank, size, opts)
+        group = dist.ProcessGroupGloo(dist.PrefixStore("commands/", closable), rank, size, opts)
     finally:
         closable.close()
+    close_gloo_listeners(opened)  # connected: gloo's own port closes too (notebook 01)
+    return group
 
 def _broadcast(group, x: torch.Tensor):
     "Start a broadcast of group rank 0's `x` (into `x` on the others); its work."

@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 import pickle
 import select
+import shutil
 import struct
 import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.util import Finalize
+from pathlib import Path
 from typing import Any, Callable
 
 import cloudpickle
@@ -22,8 +24,8 @@ from ..shm import attach_shared_memory, create_shared_memory
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['DEFAULT_MAX_BYTES', 'ERROR_BYTES', 'encode_command', 'decode_command', 'WorkerHandle', 'ShmCommandChannel',
-           'OwnerDied', 'ShmCommandReceiver', 'worker_loop']
+__all__ = ['DEFAULT_MAX_BYTES', 'ERROR_BYTES', 'OWNER_FOLDER_ENV', 'encode_command', 'decode_command', 'WorkerHandle',
+           'ShmCommandChannel', 'OwnerDied', 'ShmCommandReceiver', 'worker_loop']
 
 # %% ../../nbs/10_shm_ipc.ipynb #f7c49cc2
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024  # room for one command: a 16k-token prefill pickles to about 180 KB
@@ -215,12 +217,14 @@ def _check_dead(self: ShmCommandChannel) -> None:
             raise RankFailure(why)
 
 @patch
-def check(self: ShmCommandChannel) -> None:
-    "Raise `RankFailure` if a worker has died (with the traceback it left), or has been frozen; return at once otherwise."
+def check(self: ShmCommandChannel, stopped: bool = True) -> None:
+    "Raise `RankFailure` if a worker has died (with the traceback it left), or (`stopped`) has been frozen; return at once otherwise."
     for rank, p in self._owner.procs.items():
         if p.is_alive() and process_state(p.pid) == "dead":
             p.join(1.0)  # subtle: it died a moment ago and is not reaped yet; reaping tells how it ended
     self._check_dead()
+    if not stopped:
+        return
     try:
         self._watch.check()
     except RankFailure as e:
@@ -290,8 +294,19 @@ def call(self: ShmCommandChannel, method: str, *args, wait: bool = True) -> None
 class OwnerDied(RuntimeError):
     "Rank 0, which owns the channel, died while this worker was waiting for a command."
 
-def _close_worker(shm, owner_pid: int, owner_died: list[bool]) -> None:
-    "Close a worker's mapping; if rank 0 is dead, unlink the segment, since it no longer can."
+OWNER_FOLDER_ENV = "MINIVLLM_OWNER_FOLDER"  # a private folder (named minivllm-*) of rank 0's, removed if it dies
+
+def _remove_owner_folder(folder: str | None) -> None:
+    "Remove rank 0's private folder (`OWNER_FOLDER_ENV`): a `minivllm-*` folder of this user's, or nothing."
+    path = Path(folder) if folder else None
+    try:
+        if path is not None and path.name.startswith("minivllm-") and path.stat().st_uid == os.getuid():
+            shutil.rmtree(path, ignore_errors=True)
+    except OSError:  # gone already: rank 0's other survivor came first
+        pass
+
+def _close_worker(shm, owner_pid: int, owner_died: list[bool], owner_folder: str | None = None) -> None:
+    "Close a worker's mapping; if rank 0 is dead, unlink the segment (and remove its private folder), since it no longer can."
     shm.close()
     # subtle: a dying rank 0's pipes close before the kernel marks it a zombie: give its death up to 2 s to show
     deadline = time.monotonic() + (2.0 if owner_died[0] else 0.0)
@@ -302,6 +317,7 @@ def _close_worker(shm, owner_pid: int, owner_died: list[bool]) -> None:
             shm.unlink()
         except FileNotFoundError:  # another worker came first
             pass
+        _remove_owner_folder(owner_folder)
 
 class ShmCommandReceiver:
     "A worker's end of the channel: attach by name, wait for commands, acknowledge them, report errors."
@@ -311,7 +327,8 @@ class ShmCommandReceiver:
         self._shm = attach_shared_memory(handle.name)
         self._seq = 0
         self._owner_died = [False]  # set by `recv` when the wake pipe ends without a shutdown: rank 0 died
-        self._finalizer = Finalize(self, _close_worker, (self._shm, handle.owner_pid, self._owner_died), exitpriority=10)
+        self._finalizer = Finalize(self, _close_worker, (self._shm, handle.owner_pid, self._owner_died,
+                                                         os.environ.get(OWNER_FOLDER_ENV)), exitpriority=10)
 
     def recv(self) -> tuple[str, tuple]:
         "The next command `(method, args)`, acknowledged; `('exit', ())` once rank 0 closes; `OwnerDied` if rank 0 dies."

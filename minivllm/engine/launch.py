@@ -174,3 +174,11 @@ def failure(self: Ranks, patience_s: float = 5.0) -> RankFailure | None:
         if time.monotonic() > deadline:
             return None
         time.sleep(0.05)
+
+@patch
+def check_alive(self: Ranks) -> None:
+    "Between steps: raise `RankFailure` if a rank has died since, on this machine or another (a stopped one is not dead)."
+    if self.remote is not None and not self.remote.closed:
+        self.remote.check()  # what the heartbeat monitor knows: a reported death, or a pulse that stopped
+    if self.channel is not None and not self.channel.closed:
+        self.channel.check(stopped=False)

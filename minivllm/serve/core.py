@@ -20,6 +20,7 @@ import msgspec
 import zmq
 
 from ..distributed import RankFailure, RankProcess, process_state
+from ..engine.ipc import OWNER_FOLDER_ENV
 from ..engine.llm_engine import LLMEngine, logger
 from ..engine.sequence import Sequence
 from ..sampling_params import SamplingParams
@@ -27,8 +28,8 @@ from ..shm import sweep_stale_segments
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['EngineInput', 'EngineOutput', 'ERRORS', 'SOCKET_FOLDER_PREFIX', 'AddRequest', 'Abort', 'Shutdown', 'Ping',
-           'EngineStats', 'CompletionDelta', 'StepRecord', 'StepOutputs', 'Rejected', 'Ready', 'Pong', 'Failed',
+__all__ = ['EngineInput', 'EngineOutput', 'ERRORS', 'SOCKET_FOLDER_PREFIX', 'IDLE_WAIT_S', 'AddRequest', 'Abort', 'Shutdown',
+           'Ping', 'EngineStats', 'CompletionDelta', 'StepRecord', 'StepOutputs', 'Rejected', 'Ready', 'Pong', 'Failed',
            'rebuild_error', 'decode_input', 'EngineCore', 'engine_core_loop', 'remove_socket_folder', 'run_engine_core',
            'EngineCoreGone', 'EngineCoreProcess']
 
@@ -239,11 +240,13 @@ def stats(self: EngineCore) -> EngineStats:
                        c["steps"], c["peak_running"])
 
 # %% ../../nbs/13a_engine_core.ipynb #1c2866a3
+IDLE_WAIT_S = 0.5  # an idle core waits this long for a message before it looks at its ranks and its front end
+
 def engine_core_loop(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
-    "Step while there is work, reading the inbox between steps; return on `Shutdown` or once the front end is gone."
+    "Step while there is work, reading the inbox between steps; return on `Shutdown` or once the front end is gone; `RankFailure` if a rank dies, idle or not."
     write = msgspec.msgpack.Encoder().encode
     while True:
-        timeout_ms, aborted = 0 if core.has_work else 1000, False  # idle: wait for a message, a second at a time
+        timeout_ms, aborted = 0 if core.has_work else int(IDLE_WAIT_S * 1000), False
         while inbox.poll(timeout_ms):
             message = decode_input(inbox.recv())
             if isinstance(message, Shutdown):
@@ -261,8 +264,10 @@ def engine_core_loop(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, pa
         if os.getppid() != parent_pid:  # the front end died without a word: nobody reads what we compute
             return
         if core.has_work:
-            outbox.send(write(core.step()))
-        elif aborted:  # subtle: no step will follow to carry the freed blocks' news: send the stats alone
+            outbox.send(write(core.step()))  # a step finds a dead rank by itself
+            continue
+        core.engine.ranks.check_alive()  # idle: nothing else would notice a rank that died
+        if aborted:  # subtle: no step will follow to carry the freed blocks' news: send the stats alone
             outbox.send(write(StepOutputs([], core.stats())))
 
 def remove_socket_folder(address: str) -> None:
@@ -279,6 +284,9 @@ def run_engine_core(engine_kwargs: dict, inbox_address: str, outbox_address: str
     inbox.connect(inbox_address)
     outbox.connect(outbox_address)
     write, engine = msgspec.msgpack.Encoder().encode, None
+    folder = Path(inbox_address.removeprefix("ipc://")).parent
+    if folder.name.startswith(SOCKET_FOLDER_PREFIX):  # the workers started below remove it if this process is killed
+        os.environ[OWNER_FOLDER_ENV] = str(folder)   # together with the front end
     try:
         engine = LLMEngine(**engine_kwargs)
         if engine.runner.threads is not None:  # subtle: the front end's work is the engine's own, not another program's load
