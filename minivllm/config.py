@@ -20,7 +20,8 @@ import torch
 __all__ = ['SUPPORTED_ROPE_TYPES', 'SUPPORTED_MODEL_TYPES', 'INT_FIELDS', 'INT64_MAX', 'TOKENIZER_FILES', 'HUB_FILE_PATTERNS',
            'DEFAULT_MODEL', 'rope_from_hf', 'rope_type', 'parse_dtype', 'dtype_from_hf', 'valid_tp_sizes',
            'check_tensor_parallel', 'is_int', 'is_positive_int', 'check_positive_int', 'check_known_fields',
-           'check_token_ids', 'check_text', 'Config', 'resolve_model', 'model_folder', 'has_tokenizer']
+           'check_token_ids', 'check_text', 'Config', 'rank_bytes', 'ram_bytes', 'gpu_bytes', 'check_fits_memory',
+           'resolve_model', 'model_folder', 'has_tokenizer']
 
 # %% ../nbs/00_config.ipynb #ca7288cb
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -207,6 +208,67 @@ class Config:
         eos = self.eos_token_id
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
+# %% ../nbs/00_config.ipynb #6e48a70c
+def rank_bytes(config: Config) -> dict[str, tuple[str, int]]:
+    "What one rank allocates for `config`'s weights and rotary table: `{part: (its sizes, bytes)}`; norms and biases left out."
+    c, tp, item = config, config.tensor_parallel_size, config.dtype.itemsize
+    H, D, L = c.hidden_size, c.head_dim, c.num_hidden_layers
+    untied = not c.tie_word_embeddings
+    heads = 2 * c.num_heads_per_rank + 2 * c.num_kv_heads_per_rank  # q and o, k and v (replicated when tp > kv heads)
+    return {  # subtle: -(-a // b) is ceil(a / b) in integers: float division would round 2**62-sized values
+        "the embedding" + " and LM head" * untied: (f"vocab_size={c.vocab_size} x hidden_size={H}" + " x 2" * untied,
+                                                    (1 + untied) * -(-c.vocab_size // tp) * H * item),
+        "the attention weights": (f"num_hidden_layers={L} x hidden_size={H} x (2 x num_attention_heads="
+                                  f"{c.num_attention_heads} + 2 x num_key_value_heads={c.num_key_value_heads}) x "
+                                  f"head_dim={D}", L * H * heads * D * item),
+        "the MLP weights": (f"num_hidden_layers={L} x 3 x hidden_size={H} x intermediate_size={c.intermediate_size}",
+                            L * 3 * H * -(-c.intermediate_size // tp) * item),
+        "the rotary table": (f"max_position_embeddings={c.max_position_embeddings} x head_dim={D}, float32",
+                             c.max_position_embeddings * D * 4),
+    }
+
+def ram_bytes() -> int:
+    "This machine's physical memory, in bytes."
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+def gpu_bytes() -> int:
+    "The memory of this machine's largest CUDA GPU, in bytes; 0 without one."
+    if not torch.cuda.is_available():
+        return 0
+    return max(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+
+def _gib(n: int) -> str:
+    "`n` bytes in GiB, e.g. `'1,024.0 GiB'`."
+    return f"{n / 2**30:,.1f} GiB"
+
+def _ram_available() -> str:
+    "`' (N GiB available)'` from /proc/meminfo, or '' where there is none."
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return f" ({_gib(int(fields['MemAvailable'].split()[0]) * 1024)} available)"
+    except (OSError, KeyError, ValueError):
+        return ""
+
+def check_fits_memory(config: Config, where: str = "config.json") -> None:
+    "Raise `ValueError` naming the largest part if one rank of `config` needs more than this machine's RAM or largest GPU has."
+    parts = rank_bytes(config)
+    need, ram = sum(size for _, size in parts.values()), ram_bytes()
+    if need <= ram or need <= (gpu := gpu_bytes()):  # subtle: CUDA is asked only when the RAM is too small
+        return
+    part, (sizes, size) = max(parts.items(), key=lambda item: item[1][1])
+    tp, dtype = config.tensor_parallel_size, str(config.dtype).removeprefix("torch.")
+    has = f"{_gib(ram)} of memory{_ram_available()}" + (f" and a GPU of {_gib(gpu)}" if gpu else "")
+    if part == "the rotary table":
+        fix = "lower max_position_embeddings to the longest context you need (the table holds a row per position)"
+    else:
+        sizes += f" in {dtype}"
+        fix = ("if config.json is damaged, fix the size that is wrong; else shard the model over more ranks (--tp), "
+               + ("load it in bfloat16 (--dtype bfloat16), " if config.dtype.itemsize > 2 else "")
+               + "or use a machine with more memory")
+    per_rank = f" per rank (tensor_parallel_size={tp})" if tp > 1 else ""
+    raise ValueError(f"{where}: the model needs {_gib(need)}{per_rank}, {_gib(size)} of it for {part} ({sizes}), "
+                     f"more than this machine has, {has}: {fix}")
+
 # %% ../nbs/00_config.ipynb #7c25cfa4
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
@@ -243,7 +305,7 @@ def _config_from_hf_dict(hf: dict, tensor_parallel_size: int = 1, dtype: str | t
     rope_theta, rope_scaling = rope_from_hf(hf)
     num_heads = hf["num_attention_heads"]
     attention_bias = bool(hf.get("attention_bias", False))
-    return Config(
+    config = Config(
         model_type=model_type,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -269,6 +331,8 @@ def _config_from_hf_dict(hf: dict, tensor_parallel_size: int = 1, dtype: str | t
         tensor_parallel_size=tensor_parallel_size,
         path=path,
     )
+    check_fits_memory(config, where)  # before anything allocates: a damaged size named here, not in a rank
+    return config
 
 # %% ../nbs/00_config.ipynb #1b82b1c7
 def _config_from_pretrained(path: str | Path, tensor_parallel_size: int = 1,

@@ -120,3 +120,62 @@ def test_hub_snapshot_without_weights_is_not_a_checkpoint(offline_cache, tiny_ch
     fake_hub_cache(offline_cache, "org/tokenizer-only", config_only)
     with pytest.raises(FileNotFoundError, match="not in the local cache"):
         resolve_model("org/tokenizer-only")
+
+
+# --- sizes that cannot fit in memory, refused at config load ----------------------------------------------------------
+
+@pytest.mark.parametrize("field, value, part", [
+    ("vocab_size", 2**40, "the embedding and LM head (vocab_size=1099511627776 x hidden_size=64 x 2 in float32)"),
+    ("max_position_embeddings", 2**62, "the rotary table (max_position_embeddings=4611686018427387904 x head_dim=16, "
+                                       "float32)"),
+    ("intermediate_size", 2**40, "the MLP weights (num_hidden_layers=2 x 3 x hidden_size=64 x "
+                                 "intermediate_size=1099511627776 in float32)"),
+    ("num_hidden_layers", 2**50, "the MLP weights (num_hidden_layers=1125899906842624 x"),
+    ("head_dim", 2**60, "the attention weights (num_hidden_layers=2 x hidden_size=64 x (2 x num_attention_heads=4 + "
+                        "2 x num_key_value_heads=2) x head_dim=1152921504606846976 in float32)")])
+def test_sizes_that_cannot_fit_are_named_in_one_line_at_config_load(tmp_path, field, value, part):
+    folder = write_config(tmp_path / "ckpt", json.dumps({**QWEN3, field: value}))
+    with pytest.raises(ValueError) as e:
+        Config.from_pretrained(folder)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{folder / 'config.json'}: the model needs ")
+    assert f"GiB of it for {part}" in message and "more than this machine has" in message, message
+    assert "GiB of memory" in message and ("lower max_position_embeddings" if field == "max_position_embeddings"
+                                           else "fix the size that is wrong") in message
+
+
+def test_the_weights_counted_are_transformers_parameters_less_norms():
+    "rank_bytes at TP=1 against the same shape built by transformers (on the meta device: nothing allocated)."
+    import torch
+    import transformers
+    from minivllm.config import rank_bytes
+    for model_type, tied, extra in (("qwen3", True, {}), ("qwen3", False, {}), ("llama", False, {"head_dim": 32})):
+        hf = {**QWEN3, "model_type": model_type, "tie_word_embeddings": tied, "vocab_size": 1000, **extra}
+        config = Config.from_hf_dict(hf)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf))
+        weights = sum(p.numel() for name, p in model.named_parameters() if "norm" not in name) * 4
+        parts = rank_bytes(config)
+        assert sum(size for part, (_, size) in parts.items() if part != "the rotary table") == weights, (hf, parts)
+        assert parts["the rotary table"][1] == 512 * config.head_dim * 4
+
+
+def test_the_bound_is_one_ranks_share_against_the_machines_ram_or_gpu(monkeypatch):
+    import minivllm.config as config_module
+    hf = {**QWEN3, "vocab_size": 2**22, "tie_word_embeddings": True}  # an embedding of 2**22 x 64 float32: 1 GiB
+    monkeypatch.setattr(config_module, "ram_bytes", lambda: int(0.4 * 2**30))  # a machine of 0.4 GiB, with no GPU
+    monkeypatch.setattr(config_module, "gpu_bytes", lambda: 0)
+    with pytest.raises(ValueError, match=r"the model needs 1\.0 GiB, 1\.0 GiB of it for the embedding .* 0\.4 GiB of "
+                                         r"memory.*--tp\), load it in bfloat16 \(--dtype bfloat16\), or use a machine"):
+        Config.from_hf_dict(hf)
+    with pytest.raises(ValueError, match=r"the model needs 0\.5 GiB per rank \(tensor_parallel_size=2\)"):
+        Config.from_hf_dict(hf, tensor_parallel_size=2)  # half the weights, and the whole rotary table
+    with pytest.raises(ValueError, match=r"0\.5 GiB of it for the embedding \(.* in bfloat16\).*--tp\), or use a"):
+        Config.from_hf_dict(hf, dtype="bfloat16")  # 16-bit already: no advice to load it in bfloat16
+    assert Config.from_hf_dict(hf, tensor_parallel_size=4).tensor_parallel_size == 4
+    assert Config.from_hf_dict(hf, tensor_parallel_size=2, dtype="bfloat16").dtype is not None
+    monkeypatch.setattr(config_module, "gpu_bytes", lambda: 2**31)  # a GPU of 2 GiB holds it
+    assert Config.from_hf_dict(hf).vocab_size == 2**22
+    monkeypatch.setattr(config_module, "ram_bytes", lambda: 2**31)
+    monkeypatch.setattr(config_module, "gpu_bytes", lambda: pytest.fail("CUDA asked, though the model fits the RAM"))
+    assert Config.from_hf_dict(hf).vocab_size == 2**22
