@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence as Seq
 
@@ -28,8 +29,8 @@ if TYPE_CHECKING:  # the channels' types, for the annotations only: the ranks ar
     from minivllm.cluster import GlooCommandChannel
 
 # %% auto #0
-__all__ = ['CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer', 'CompletionText', 'Request', 'LLM', 'encode_prompt',
-           'check_params_for_model']
+__all__ = ['CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer', 'StopStrings', 'CompletionText', 'Request', 'LLM',
+           'encode_prompt', 'check_params_for_model']
 
 # %% ../nbs/13_llm.ipynb #23843fa7
 @dataclass
@@ -107,13 +108,54 @@ class IncrementalDetokenizer:
         self.prefix = self.read = len(self.token_ids)
         return rest
 
+# %% ../nbs/13_llm.ipynb #a8b30c54
+class StopStrings:
+    "A request's stop strings, filed once by their last characters: the first one in new text, in time that does not grow with their number."
+    depth = 4  # the last characters a stop string is filed under (all of it, if shorter)
+
+    def __init__(self, stop: Iterable[str] = ()):
+        self.stop = tuple(stop)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop strings are non-empty strings, got {self.stop!r}")
+        self.strings, self.longest = frozenset(self.stop), max(map(len, self.stop), default=0)
+        self.ends: dict[str, tuple[int, ...]] = {}  # last `depth` characters -> the lengths of the stop strings so ending
+        same: dict[tuple[int, ...], tuple[int, ...]] = {}
+        by_length = sorted(self.strings, key=len)  # shortest first: each ending's lengths come in order
+        for end, n in zip(map(itemgetter(slice(-self.depth, None)), by_length), map(len, by_length)):
+            if not (has := self.ends.get(end, ())) or has[-1] != n:
+                # subtle: one tuple per list of lengths, not one per ending: fewer objects for the garbage collector
+                self.ends[end] = same.setdefault(has + (n,), has + (n,))
+        self.sizes = sorted({min(n, self.depth) for n in set(map(len, self.strings))})  # the lengths of the endings filed
+
+    def __len__(self) -> int: return len(self.stop)
+
+    def first(self, text: str, start: int, checked: int) -> tuple[int, int] | None:
+        "`(where, length)` of the first stop string in `text[start:]` that ends past `text[:checked]` (of two at one place, the shorter); None if none."
+        ends, strings, best = self.ends, self.strings, None
+        for end in range(max(start, checked) + 1, len(text) + 1):
+            if best is not None and end - self.longest > best[0]:  # subtle: none ending here or later begins before best
+                break
+            for k in self.sizes:  # the text's last k characters, for each length of ending filed
+                if end - k < start:
+                    break
+                for n in ends.get(text[end - k:end], ()):  # ascending: the shorter first
+                    if end - n < start:
+                        break
+                    # subtle: a stop string of k characters is its own ending; a longer one is checked against the set
+                    if (n == k or text[end - n:end] in strings) and (best is None or (end - n, n) < best):
+                        best = end - n, n
+        return best
+
 # %% ../nbs/13_llm.ipynb #2d536ce4
 class CompletionText:
     "A completion's text as its tokens come: decoded piece by piece, cut before the first stop string (or after it, `include_stop`)."
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop: bool = False, skip_special_tokens: bool = True):
-        self.detokenizer, self.stop, self.text = IncrementalDetokenizer(tokenizer, skip_special_tokens), stop, ""
+    def __init__(self, tokenizer, stop: StopStrings | Iterable[str] = (), include_stop: bool = False,
+                 skip_special_tokens: bool = True):
+        self.detokenizer, self.text = IncrementalDetokenizer(tokenizer, skip_special_tokens), ""
+        self.stop = stop if isinstance(stop, StopStrings) else StopStrings(stop)  # a request's completions share one
         self.include_stop = include_stop
-        self.hold = max(map(len, stop), default=1) - 1  # characters that might begin a stop string
+        self.hold = max(self.stop.longest, 1) - 1  # characters that might begin a stop string
+        self.checked = 0  # the stop strings that end in text[:checked] have been looked for
         self.stopped = False  # a stop string was found
 
     def add(self, token_ids: list[int], finished: bool = False, look: bool = True) -> bool:
@@ -122,10 +164,12 @@ class CompletionText:
             return True
         start = max(0, len(self.text) - self.hold)  # subtle: a stop string may begin in the text held back
         self.text += self.detokenizer.add(token_ids) + (self.detokenizer.flush() if finished else "")
-        found = [(i, len(s)) for s in self.stop if (i := self.text.find(s, start)) >= 0] if look else []
-        if found:
-            at, length = min(found)  # the first stop string in the text (of two at one place, the shorter)
-            self.text, self.stopped = self.text[:at + length * self.include_stop], True
+        if look and self.stop:
+            # subtle: only the end positions past `checked`; while `look` was False (min_tokens) none were looked at
+            found, self.checked = self.stop.first(self.text, start, self.checked), len(self.text)
+            if found is not None:
+                at, length = found
+                self.text, self.stopped = self.text[:at + length * self.include_stop], True
         return self.stopped
 
     def ready(self, finished: bool) -> int:
@@ -142,7 +186,8 @@ class Request:
         # subtle: text is followed token by token only when a stream or a stop string needs it; generate() of
         # plain requests decodes each completion once, at the end (the pieces add up to the same text)
         follow = tokenizer is not None and (stream or bool(params.stop))
-        self.texts = [CompletionText(tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
+        stop = StopStrings(params.stop) if follow else None  # indexed once, for all n completions
+        self.texts = [CompletionText(tokenizer, stop, params.include_stop_str_in_output, params.skip_special_tokens)
                       if follow else None for _ in seqs]
         self.seen = [0] * len(seqs)  # per sequence: completion tokens already added to its text
         self.sent_tokens, self.sent_chars = [0] * len(seqs), [0] * len(seqs)

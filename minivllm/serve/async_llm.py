@@ -22,10 +22,11 @@ from ..engine.scheduler import SamplingParams, check_fits
 from ..engine.sequence import Sequence, SequenceStatus
 from ..llm import (CompletionOutput, Request, RequestOutput, _load_tokenizer, check_params_for_model, encode_prompt,
                           logger)
+from ..sampling_params import ParamError
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['merge_deltas', 'hand_over', 'AsyncLLM']
+__all__ = ['MAX_STOP_STRINGS', 'MAX_STOP_STRING_CHARS', 'merge_deltas', 'hand_over', 'check_stop_strings', 'AsyncLLM']
 
 # %% ../../nbs/13b_async_llm.ipynb #4dcc9f2a
 def merge_deltas(old: RequestOutput, new: RequestOutput) -> RequestOutput:
@@ -78,15 +79,35 @@ def hand_over(news: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestO
             pass
 
 # %% ../../nbs/13b_async_llm.ipynb #b5864fbd
+MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 64, 1024  # a served request's stop strings, by default (see "Stop strings")
+
+def check_stop_strings(stop: tuple[str, ...], max_strings: int, max_chars: int) -> None:
+    "`ParamError` naming `stop` if a request has more stop strings than `max_strings`, or one longer than `max_chars`."
+    if len(stop) > max_strings:
+        raise ParamError("stop", f"stop holds {len(stop):,} strings, but this server takes at most {max_strings:,} per "
+                         "request: send fewer, or start the server with a higher --max-stop-strings "
+                         "(AsyncLLM's max_stop_strings)")
+    if stop and max(map(len, stop)) > max_chars:
+        i, s = next((i, s) for i, s in enumerate(stop) if len(s) > max_chars)  # the first too long
+        raise ParamError("stop", f"stop string {i} has {len(s):,} characters, but this server takes stop strings of at "
+                         f"most {max_chars:,}: shorten it, or start the server with a higher --max-stop-string-chars "
+                         "(AsyncLLM's max_stop_string_chars)")
+
 class AsyncLLM:
     "The front end of an engine-core process: requests from asyncio callers join its next step; their text streams back."
     def __init__(self, model: str | Path | None = None, tensor_parallel_size: int = 1, record_steps: bool = False,
-                 stream_interval: int = 1, **engine_kwargs):
+                 stream_interval: int = 1, max_stop_strings: int = MAX_STOP_STRINGS,
+                 max_stop_string_chars: int = MAX_STOP_STRING_CHARS, **engine_kwargs):
         # stream_interval: a request's news goes out every that many tokens (and its first tokens and its end at
         # once), as vLLM's --stream-interval: fewer, larger deltas cost the front end less per token
         if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be a whole number of tokens >= 1, got {stream_interval!r}")
         self.stream_interval = stream_interval
+        # the most stop strings a request may have, and the longest (check_stop_strings): they bound a token's search
+        for name, cap in (("max_stop_strings", max_stop_strings), ("max_stop_string_chars", max_stop_string_chars)):
+            if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {cap!r}")
+        self.max_stop_strings, self.max_stop_string_chars = max_stop_strings, max_stop_string_chars
         folder = model_folder(model)  # a folder, a hub id, or the packaged model (notebook 00)
         args = EngineArgs(folder, tensor_parallel_size, **engine_kwargs)
         self.config = args.model_config()  # checks the checkpoint and the TP size before any process starts
@@ -159,6 +180,7 @@ class AsyncLLM:
 
     def check(self, prompt: str | list[int], params: SamplingParams, must_fit: bool = False) -> tuple[str | None, list[int]]:
         "`(text, token_ids)` of a request the engine core would take; `ValueError` saying why it would refuse it."
+        check_stop_strings(params.stop, self.max_stop_strings, self.max_stop_string_chars)  # before any tokenizing
         text, ids = encode_prompt(prompt, self.tokenizer, self.config.vocab_size, self.args.model)
         check_params_for_model(params, self.tokenizer, self.config.vocab_size, self.args.model)
         # subtle: the scheduler's own rule (notebook 09), so that a batch of prompts is judged whole before any runs
@@ -286,13 +308,20 @@ def _settle(future: asyncio.Future) -> None:
         future.set_result(None)
 
 @patch
-async def check_health(self: AsyncLLM, timeout_s: float = 5.0) -> str | None:
-    "None if the engine core answers a ping within `timeout_s` and none of its processes is stopped; else why not."
+def why_down(self: AsyncLLM) -> str | None:
+    "Why the engine cannot answer at all: it has stopped, or a process of it is stopped (SIGSTOP) or gone; None while each runs."
     if not self.is_running:
         return f"the engine has stopped ({self.error or 'it was shut down'})"
     for role, pid in [("engine core", self.core.pid)] + [(f"rank {i + 1}", p) for i, p in enumerate(self.core.rank_pids)]:
         if (state := process_state(pid)) != "running":
             return f"the {role} (pid {pid}) is {state}" + (": send it SIGCONT" if state == "stopped" else "")
+    return None
+
+@patch
+async def check_health(self: AsyncLLM, timeout_s: float = 5.0) -> str | None:
+    "None if none of the engine's processes is down (`why_down`) and its core answers a ping within `timeout_s`; else why not."
+    if (problem := self.why_down()) is not None:
+        return problem
     nonce, answered = next(self._ids), asyncio.get_running_loop().create_future()
     with self._lock:
         self._pings[nonce] = answered
