@@ -16,7 +16,7 @@ from . import __version__
 # %% auto #0
 __all__ = ['DTYPES', 'USER_ERRORS', 'is_local_model', 'split_model_and_prompts', 'check_tokenizer', 'OneLineErrorParser',
            'LazyParser', 'DefaultsFormatter', 'add_node_options', 'add_engine_options', 'make_parser', 'print_streamed',
-           'main']
+           'hide_from_ps', 'main']
 
 # %% ../nbs/15_cli.ipynb #d81c6a1f
 def is_local_model(name: str) -> bool:
@@ -169,8 +169,12 @@ def _add_serve(sub) -> None:
                    help="the address to listen on (default: %(default)s, this machine only; 0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000, help="the port to listen on, 0 = any free one (default: %(default)s)")
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 requests (default: none). Prefer the variable "
-                        "MINIVLLM_API_KEY: a key on the command line is visible to every local user in `ps`")
+                   help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (default: none, or the "
+                        "variable MINIVLLM_API_KEY). Prefer the variable or --api-key-file: a key on the command line "
+                        "is visible to every local user in `ps` until minivllm overwrites it a moment after start (it "
+                        "warns), and stays in the shell's history")
+    s.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from this file, whitespace around it ignored (default: none)")
     s.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: MODEL as given, or minivllm-default)")
     s.add_argument("--max-num-seqs", type=int, default=256, help="the most requests in one batch (default: %(default)s)")
@@ -205,6 +209,21 @@ def _add_serve(sub) -> None:
     s.add_argument("--max-queued-tokens", type=int, default=None, metavar="N",
                    help="the most prompt tokens of requests taken and not finished; a request past it gets a 429 "
                         "(default: 1048576, minivllm.serve.server.MAX_QUEUED_TOKENS)")
+    s.add_argument("--header-timeout", type=float, default=None, metavar="SECONDS",
+                   help="the most seconds a request's line and headers may take to arrive; a slower client gets a "
+                        "408 and its connection closed (default: 10, minivllm.serve.server.HEADER_TIMEOUT_S)")
+    s.add_argument("--body-timeout", type=float, default=None, metavar="SECONDS",
+                   help="the most seconds a request's body may take after its headers; past it, a 408 and the "
+                        "connection closed (default: 30, minivllm.serve.server.BODY_TIMEOUT_S)")
+    s.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="the most connections held open at once; one more gets a 503 and is closed (default: 1000, "
+                        "minivllm.serve.server.MAX_CONNECTIONS)")
+    s.add_argument("--max-stop-strings", type=int, default=None, metavar="N",
+                   help="the most stop strings one request may give; more get a 400 (default: the engine's, "
+                        "AsyncLLM's max_stop_strings)")
+    s.add_argument("--max-stop-string-chars", type=int, default=None, metavar="N",
+                   help="the most characters one stop string may have; a longer one gets a 400 (default: the "
+                        "engine's, AsyncLLM's max_stop_string_chars)")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level; info logs every request (default: %(default)s)")
     add_node_options(s)
@@ -347,9 +366,55 @@ def _generate_command(a: argparse.Namespace) -> int:
         engine_logger.setLevel(level)  # subtle: main() may run in a longer-lived process (tests, notebooks)
     return 0
 
+def hide_from_ps(secret: str) -> bool:
+    "Overwrite `secret` with stars where it stands on this process's command line (Linux: what `ps` and /proc show); whether it stood there."
+    import ctypes
+    import os
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()  # proc(5)'s fields from the third on, after the command's name
+        start, end = int(fields[45]), int(fields[46])  # arg_start and arg_end, fields 48 and 49
+        shown = Path("/proc/self/cmdline").read_bytes()
+    except (OSError, ValueError, IndexError):  # not Linux
+        return False
+    # subtle: the kernel reads the command line from the process's own memory, where the arguments were first
+    # written; overwritten in place, at the same length, ps shows the stars. Written only where that memory holds,
+    # byte for byte, what /proc shows.
+    args = ctypes.string_at(start, end - start) if 0 < start < end else b""
+    if not args or shown != args:
+        return False
+    key, offset, found = os.fsencode(secret), 0, False
+    for arg in args.split(b"\0"):
+        if key and (arg == key or arg.endswith(b"=" + key)):  # --api-key KEY, or --api-key=KEY
+            ctypes.memset(start + offset + len(arg) - len(key), ord("*"), len(key))
+            found = True
+        offset += len(arg) + 1
+    return found
+
+def _api_key(a: argparse.Namespace) -> str | None:
+    "The key `serve` requires: --api-key, --api-key-file or the variable MINIVLLM_API_KEY (None: none); a key on the command line is overwritten there, with a warning."
+    import os
+    if a.api_key is not None and a.api_key_file is not None:
+        raise ValueError("the API key is given twice, by --api-key and --api-key-file: give one")
+    if a.api_key is not None:
+        key, source = a.api_key, "--api-key"
+        hidden = hide_from_ps(key)
+        print("minivllm: warning: --api-key puts the key on the command line, where every local user can read it "
+              f"({'until minivllm overwrote it just now' if hidden else 'minivllm cannot overwrite it here'}) and "
+              "the shell's history keeps it: set MINIVLLM_API_KEY or use --api-key-file instead", file=sys.stderr)
+    elif a.api_key_file is not None:
+        key, source = Path(a.api_key_file).read_text().strip(), f"--api-key-file {a.api_key_file}"
+    elif (key := os.environ.get("MINIVLLM_API_KEY")) is not None:
+        source = "MINIVLLM_API_KEY"
+    else:
+        return None
+    if not key.strip():
+        raise ValueError(f"the API key of {source} is empty: give a key, or none to serve without one")
+    return key
+
 def _serve_command(a: argparse.Namespace) -> int:
     "`minivllm serve`: serve the model until Ctrl-C or SIGTERM."
-    import os
+    key = _api_key(a)  # first: a key on the command line is overwritten there at once
     model = _model_argument(a)
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be from 0 to 65535, got {a.port}")
@@ -363,14 +428,16 @@ def _serve_command(a: argparse.Namespace) -> int:
     from minivllm.serve.server import serve
     folder = model_folder(model)
     Config.from_pretrained(folder, tensor_parallel_size=a.tp, dtype=_dtype(a))  # no weights needed: before anything binds
-    serve(folder if model is not None else None, a.tp, a.host, a.port, a.api_key or os.environ.get("MINIVLLM_API_KEY"),
-          a.served_model_name or model, a.log_level, dtype=_dtype(a), max_model_len=a.max_model_len,
-          max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-          gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
-          seed=a.seed, num_threads=a.num_threads, stream_interval=a.stream_interval, chat_template=template,
-          **_node_kwargs(a),
-          **{name: value for name in ("max_request_bytes", "max_prompts_per_request", "max_queued_tokens")
-             if (value := getattr(a, name)) is not None})
+    # the server's options and AsyncLLM's, each passed only when given (else the default of whoever takes it)
+    given = {"max_request_bytes": a.max_request_bytes, "max_prompts_per_request": a.max_prompts_per_request,
+             "max_queued_tokens": a.max_queued_tokens, "header_timeout_s": a.header_timeout,
+             "body_timeout_s": a.body_timeout, "max_connections": a.max_connections,
+             "max_stop_strings": a.max_stop_strings, "max_stop_string_chars": a.max_stop_string_chars}
+    serve(folder if model is not None else None, a.tp, a.host, a.port, key, a.served_model_name or model, a.log_level,
+          dtype=_dtype(a), max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+          max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=a.gpu_memory_utilization,
+          enforce_eager=a.enforce_eager, seed=a.seed, num_threads=a.num_threads, stream_interval=a.stream_interval,
+          chat_template=template, **_node_kwargs(a), **{name: value for name, value in given.items() if value is not None})
     return 0
 
 def _node_kwargs(a: argparse.Namespace) -> dict:

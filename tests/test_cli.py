@@ -363,3 +363,110 @@ def test_the_api_key_help_says_that_the_variable_keeps_the_key_out_of_ps():
     serve = next(a for a in make_parser()._subparsers._group_actions[0].choices["serve"]._actions
                  if "--api-key" in a.option_strings)
     assert "MINIVLLM_API_KEY" in serve.help and "`ps`" in serve.help
+
+
+# --- a config.json whose sizes cannot fit in memory: one line at config load, before any rank starts --------------
+
+@pytest.fixture(scope="module")
+def oversized_checkpoints(tmp_path_factory):
+    "The packaged model with one size damaged -> (its folder, the phrase its error line must hold)."
+    import json
+    root = tmp_path_factory.mktemp("oversized")
+    cases = {"vocab_size": (2**40, "GiB of it for the embedding (vocab_size=1099511627776 x hidden_size=256 in "
+                                   "bfloat16), more than this machine has"),
+             "max_position_embeddings": (2**62, "GiB of it for the rotary table (max_position_embeddings="
+                                                "4611686018427387904 x head_dim=64, float32), more than this machine has")}
+    folders = {}
+    for field, (value, phrase) in cases.items():
+        folder = shutil.copytree(DEFAULT_MODEL, root / field)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, field: value}))
+        folders[field] = (folder, phrase)
+    return folders
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "max_position_embeddings"])
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_sizes_that_cannot_fit_are_one_error_line(command, field, oversized_checkpoints, capsys, hub_env):
+    folder, phrase = oversized_checkpoints[field]
+    argv = ["generate", "hi", "--model", str(folder), "--quiet"] if command == "generate" else \
+           ["serve", "--model", str(folder), "--port", "0"]
+    start = time.monotonic()
+    status = main(argv)
+    out, err = capsys.readouterr()
+    assert_one_error_line(status, err)
+    assert phrase in err and f"{folder / 'config.json'}: the model needs" in err and out == "", err
+    assert time.monotonic() - start < 10  # refused at config load, before any rank starts (seconds of start-up)
+
+
+def test_sizes_that_cannot_fit_are_one_error_line_in_a_child(oversized_checkpoints, hub_env):
+    folder, phrase = oversized_checkpoints["vocab_size"]
+    child = spawn_cli("serve", str(folder), "--port", "0", env=hub_env)
+    out, err = child.communicate(timeout=120)
+    assert_one_error_line(child.returncode, err)
+    assert phrase in err and out == ""
+
+
+# --- the API key kept out of `ps`; the server's limits passed when given ----------------------------------------------
+
+def test_serve_takes_the_api_key_from_a_file_or_the_variable_and_warns_when_it_is_an_argument(monkeypatch, tmp_path,
+                                                                                              capsys):
+    import minivllm.serve.server
+    seen = {}
+    monkeypatch.setattr(minivllm.serve.server, "serve", lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs))
+    monkeypatch.delenv("MINIVLLM_API_KEY", raising=False)
+    model, key_file, empty = str(DEFAULT_MODEL), tmp_path / "key", tmp_path / "empty"
+    key_file.write_text("from-file\n")
+    empty.write_text("\n")
+    assert main(["serve", model]) == 0 and seen["args"][4] is None  # no key: the routes are open
+    assert main(["serve", model, "--api-key-file", str(key_file)]) == 0 and seen["args"][4] == "from-file"
+    monkeypatch.setenv("MINIVLLM_API_KEY", "from-env")
+    assert main(["serve", model]) == 0 and seen["args"][4] == "from-env"
+    assert capsys.readouterr().err == ""
+    assert main(["serve", model, "--api-key", "from-argv"]) == 0 and seen["args"][4] == "from-argv"  # the option wins
+    assert "minivllm: warning: --api-key puts the key on the command line" in capsys.readouterr().err
+    for argv, phrase in ((["--api-key", "a", "--api-key-file", str(key_file)], "given twice"),
+                         (["--api-key-file", str(empty)], f"the API key of --api-key-file {empty} is empty"),
+                         (["--api-key-file", str(tmp_path / "none")], "No such file")):
+        assert_one_error_line(main(["serve", model, *argv]), err := capsys.readouterr().err)
+        assert phrase in err, err
+    monkeypatch.setenv("MINIVLLM_API_KEY", "")
+    assert_one_error_line(main(["serve", model]), err := capsys.readouterr().err)
+    assert "the API key of MINIVLLM_API_KEY is empty" in err
+
+
+HIDE = """
+import os, subprocess, sys
+from minivllm.cli import hide_from_ps
+print(hide_from_ps(sys.argv[2]), hide_from_ps("absent"))  # the key as it came
+print(subprocess.run(["ps", "-ww", "-o", "args=", "-p", str(os.getpid())], capture_output=True, text=True).stdout)
+"""
+
+
+def test_hide_from_ps_overwrites_the_key_on_the_process_command_line(hub_env):
+    child = subprocess.run([sys.executable, "-c", HIDE, "--api-key", "s3cret-key", "--api-key=s3cret-key"],
+                           capture_output=True, text=True, env=hub_env, timeout=60)
+    assert child.returncode == 0, child.stderr
+    found, shown = child.stdout.split("\n", 1)
+    assert found == "True False" and "s3cret-key" not in shown, child.stdout
+    assert "--api-key ********** --api-key=**********" in shown, shown
+
+
+def test_serve_passes_the_slow_client_limits_and_the_stop_string_caps_only_when_given(monkeypatch, capsys):
+    import minivllm.serve.server
+    seen = {}
+    monkeypatch.setattr(minivllm.serve.server, "serve", lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs))
+    model = str(DEFAULT_MODEL)
+    assert main(["serve", model, "--header-timeout", "3", "--body-timeout", "4.5", "--max-connections", "9",
+                 "--max-stop-strings", "7", "--max-stop-string-chars", "100"]) == 0
+    given = dict(header_timeout_s=3.0, body_timeout_s=4.5, max_connections=9, max_stop_strings=7,
+                 max_stop_string_chars=100)
+    assert {k: seen["kwargs"].get(k) for k in given} == given
+    assert main(["serve", model]) == 0
+    assert not set(given) & set(seen["kwargs"])  # the server's defaults, and AsyncLLM's
+    monkeypatch.undo()  # the real serve: its checks come before it binds a port or starts an engine
+    for argv, phrase in ((["--header-timeout", "0"], "header_timeout_s must be a positive number of seconds, got 0.0"),
+                         (["--body-timeout", "nan"], "body_timeout_s must be a positive number of seconds, got nan"),
+                         (["--max-connections", "0"], "max_connections must be a positive whole number")):
+        assert_one_error_line(main(["serve", model, "--port", "0", *argv]), err := capsys.readouterr().err)
+        assert phrase in err, err

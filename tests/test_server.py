@@ -448,3 +448,43 @@ def test_64_streams_at_tp1_equal_the_offline_greedy_text(chat_ckpt):
         offline = [o.text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                                                 use_tqdm=False)]
     assert got == offline
+
+
+def test_the_api_key_given_on_the_command_line_is_not_shown_by_ps(tp2):
+    "The key is overwritten on the server's command line at start, with a warning; it still guards the routes."
+    import subprocess
+    shown = subprocess.run(["ps", "-ww", "-o", "args=", "-g", str(tp2.proc.pid)], capture_output=True, text=True).stdout
+    assert "minivllm serve" in shown and "--api-key" in shown and KEY not in shown, shown  # every process of the server
+    assert "minivllm: warning: --api-key puts the key on the command line" in "".join(tp2.log)
+    assert httpx.get(tp2.url + "/v1/models").status_code == 401
+    assert httpx.get(tp2.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def no_template(chat_ckpt, tmp_path_factory):
+    "The tiny chat checkpoint without its chat template."
+    import shutil
+    folder = shutil.copytree(chat_ckpt, tmp_path_factory.mktemp("plain") / "ckpt")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("given", ["file", "inline"])
+def test_a_chat_template_given_to_serve_renders_chats_and_tokenize(no_template, tmp_path, given):
+    (tmp_path / "chat.jinja").write_text(TEMPLATE)
+    template = str(tmp_path / "chat.jinja") if given == "file" else TEMPLATE
+    with ServerProcess("--model", str(no_template), "--max-model-len", "256", "--served-model-name", "tiny",
+                       "--chat-template", template) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        tokens = http.post("/tokenize", json={"messages": HELLO})
+        assert tokens.status_code == 200, tokens.text
+        text = http.post("/detokenize", json={"tokens": tokens.json()["tokens"]}).json()["prompt"]
+        assert text.endswith("[user] Say something.\n[assistant] "), text
+        chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 2})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["prompt_tokens"] == tokens.json()["count"]

@@ -5,6 +5,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -230,3 +231,169 @@ def test_a_flood_of_the_rendezvous_port_while_serving_at_tp2_leaves_the_engine_c
         assert after - before < 20, (before, after)
         assert not any(a.endswith(f":{port}") for a in tcp_listeners([core, *rank_processes(core)]))
         assert httpx.post(server.url + "/v1/completions", json=good, timeout=60).status_code == 200
+
+
+# --- fields typed as OpenAI types them; fields minivllm cannot honour refused -------------------------------------------
+
+CHAT = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+GOOD = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
+NAN = float("nan")  # json.dumps writes NaN, which the server's JSON reader takes
+
+
+@pytest.mark.parametrize("path, body, param, said", [
+    # the probe's: a content part's text that is not a string was a 500
+    ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": [{"type": "text", "text": 123}]}]},
+     "messages.0.content", "must be a string, or a list of text parts"),
+    ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": ["a"]}]}, "messages.0.content",
+     "must be a string, or a list of text parts"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "text", "text": 123}]}]}, "messages.0.content",
+     "must be a string, or a list of text parts"),
+    ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages",
+     "a text part without its text"),
+    # strict types, as OpenAI's schema: no "yes" for a boolean, no true for a token id, no 2.0 for a count
+    ("/v1/completions", GOOD | {"stream": "yes"}, "stream", "valid boolean"),
+    ("/v1/chat/completions", CHAT | {"stream": "yes"}, "stream", "valid boolean"),
+    ("/v1/chat/completions", CHAT | {"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage",
+     "valid boolean"),
+    ("/v1/completions", GOOD | {"prompt": [True]}, "prompt", "a list of token ids (integers)"),
+    ("/v1/completions", GOOD | {"prompt": [[1, True]]}, "prompt", "a list of token ids (integers)"),
+    ("/v1/completions", GOOD | {"max_tokens": 2.0}, "max_tokens", "valid integer"),
+    ("/detokenize", {"tokens": [True]}, "tokens.0", "valid integer"),
+    ("/v1/completions", GOOD | {"best_of": "abc"}, "best_of", "valid integer"),
+    ("/v1/completions", GOOD | {"best_of": NAN}, "best_of", "valid integer"),
+    # fields that cannot be honoured: refused, never ignored
+    ("/v1/completions", GOOD | {"best_of": 3}, "best_of", "best_of > n is not supported"),
+    ("/v1/completions", GOOD | {"n": 2, "best_of": 1}, "best_of", "best_of must be at least n"),
+    ("/v1/chat/completions", CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "tools is not supported: minivllm does not call tools"),
+    ("/v1/chat/completions", CHAT | {"tool_choice": "required"}, "tool_choice", "is not supported"),
+    ("/v1/chat/completions", CHAT | {"functions": [{"name": "f"}]}, "functions", "is not supported"),
+    ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_object"}}, "response_format",
+     "does not constrain its replies to JSON"),
+    ("/v1/completions", GOOD | {"suffix": "The end."}, "suffix", "suffix is not supported"),
+    ("/v1/completions", GOOD | {"stop_token_ids": [10**9]}, "stop_token_ids", "out of range for a vocabulary of 4096"),
+    ("/v1/chat/completions", CHAT | {"stop_token_ids": [4096]}, "stop_token_ids", "out of range for a vocabulary"),
+    # max_completion_tokens as OpenAI defines it: the bound, 0 refused (not max_tokens' fallback), no disagreement
+    ("/v1/chat/completions", {k: v for k, v in CHAT.items() if k != "max_tokens"} | {"max_completion_tokens": 0},
+     "max_completion_tokens", "max_tokens must be an integer >= 1, got 0"),
+    ("/v1/chat/completions", CHAT | {"max_completion_tokens": 0}, "max_completion_tokens", "disagree"),
+])
+def test_fields_are_typed_as_openai_types_them_and_what_cannot_be_honoured_is_refused(server, path, body, param, said):
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        r = post_raw(client, path, body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert said in error["message"] and error["param"] == param and error["type"] == "invalid_request_error", error
+        assert client.post("/v1/completions", json=GOOD).status_code == 200
+
+
+def test_max_completion_tokens_bounds_the_reply_and_best_of_equal_to_n_is_served(server):
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        chat = {k: v for k, v in CHAT.items() if k != "max_tokens"} | {"ignore_eos": True}
+        for given in ({"max_completion_tokens": 3}, {"max_completion_tokens": 3, "max_tokens": 3}, {"max_tokens": 3}):
+            r = client.post("/v1/chat/completions", json=chat | given)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, (given, r.text)
+        r = client.post("/v1/completions", json=GOOD | {"n": 2, "best_of": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+        parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]
+        joined = client.post("/tokenize", json={"messages": [{"role": "user", "content": parts}]}).json()
+        plain = client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi there"}]}).json()
+        assert joined["tokens"] == plain["tokens"]
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", GOOD), ("/v1/chat/completions", CHAT | {"stream": True})])
+def test_a_request_while_the_engine_core_is_stopped_is_a_503_within_the_health_timeout(server, path, body):
+    "Not a wait until the client gives up: while its first output is late, the request looks at the engine's processes."
+    from minivllm.serve.server import HEALTH_TIMEOUT_S
+    [core] = rank_processes(server.proc.pid)
+    os.kill(core, signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: process_state(core) == "stopped", 5)
+        start = time.monotonic()
+        r = httpx.post(server.url + path, json=body, timeout=HEALTH_TIMEOUT_S + 5)
+        took = time.monotonic() - start
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert f"the engine core (pid {core}) is stopped" in error["message"] and error["type"] == "server_error", error
+        assert took < HEALTH_TIMEOUT_S, took
+    finally:
+        os.kill(core, signal.SIGCONT)
+    assert httpx.post(server.url + "/v1/completions", json=GOOD, timeout=30).status_code == 200
+    assert engine_idle_after(server.url, time.monotonic(), 10) is not None  # nothing of the refused request runs on
+    m = metrics(server.url)
+    assert m["minivllm_kv_cache_blocks_used"] == 0 and m["minivllm_num_requests_waiting"] == 0, m
+
+
+# --- slow clients: a request's head and body within their time limits, a cap on open connections -----------------------
+
+@pytest.fixture(scope="module")
+def guarded(chat_ckpt):
+    "A server whose requests' heads and bodies must arrive within 2 s each, holding at most 8 connections."
+    with ServerProcess("--model", str(chat_ckpt), "--max-model-len", "256", "--served-model-name", "tiny",
+                       "--header-timeout", "2", "--body-timeout", "2", "--max-connections", "8") as s:
+        s.address = ("127.0.0.1", int(s.url.rsplit(":", 1)[1]))
+        yield s
+
+
+def trickle(address, first: bytes, drip: bytes, seconds: float) -> tuple[bytes, float | None]:
+    "Send `first`, then `drip` a byte every 0.1 s; what the server sent, and when it closed the connection (None: not within `seconds`)."
+    with socket.create_connection(address) as s:
+        s.sendall(first)
+        s.settimeout(0.1)
+        got, start, drops = b"", time.monotonic(), iter(drip)
+        while time.monotonic() - start < seconds:
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                try:
+                    s.send(bytes([next(drops, 32)]))
+                except OSError:  # closed at the server's end
+                    return got, time.monotonic() - start
+                continue
+            except ConnectionResetError:
+                return got, time.monotonic() - start
+            if not chunk:
+                return got, time.monotonic() - start
+            got += chunk
+        return got, None
+
+
+@pytest.mark.parametrize("part", ["head", "body"])
+def test_a_client_that_trickles_its_request_gets_a_408_and_its_connection_closed(guarded, part):
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: tiny\r\nContent-Type: application/json\r\n"
+    if part == "head":
+        first, drip = head, b"X-Slow: " + b"a" * 1000
+    else:
+        first, drip = head + b"Content-Length: 1000\r\n\r\n{\"model\": \"tiny\"", b" " * 1000
+    got, closed_after = trickle(guarded.address, first, drip, 6)
+    assert closed_after is not None and closed_after < 3, (got, closed_after)  # the limit is 2 s
+    assert got.startswith(b"HTTP/1.1 408 "), got
+    assert f"the request's {part} did not arrive within 2 s".encode() in got, got
+    assert httpx.post(guarded.url + "/v1/completions", json=GOOD, timeout=30).status_code == 200
+
+
+def read_until_closed(s: socket.socket, timeout_s: float) -> bytes:
+    "What the server sends on `s` until it closes the connection (`socket.timeout` past `timeout_s`)."
+    s.settimeout(timeout_s)
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    return got
+
+
+def test_a_connection_past_the_cap_is_refused_at_once_and_served_once_the_slow_ones_are_closed(guarded):
+    held = [socket.create_connection(guarded.address) for _ in range(8)]  # they send nothing
+    try:
+        time.sleep(0.3)  # the server has taken them
+        start = time.monotonic()
+        with socket.create_connection(guarded.address) as extra:
+            got = read_until_closed(extra, 5)
+        assert time.monotonic() - start < 1, time.monotonic() - start
+        assert got.startswith(b"HTTP/1.1 503 ") and b"holds 8 connections, its most (max_connections)" in got, got
+        for s in held:  # the silent ones are closed by the head's time limit
+            assert read_until_closed(s, 5).startswith(b"HTTP/1.1 408 ")
+    finally:
+        for s in held:
+            s.close()
+    assert httpx.post(guarded.url + "/v1/completions", json=GOOD, timeout=30).status_code == 200
+    assert guarded.proc.poll() is None

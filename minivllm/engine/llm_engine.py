@@ -92,10 +92,13 @@ def sample_seed(seed: int | None, index: int) -> int | None:
     return seed if seed is None or index == 0 else hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
 
 def check_params_for_vocab(params: SamplingParams, vocab_size: int) -> None:
-    "`ParamError` if `params` name a token past this model's vocabulary (a logit bias)."
+    "`ParamError` if `params` name a token past this model's vocabulary (a logit bias, a stop token)."
     if params.logit_bias and max(params.logit_bias) >= vocab_size:
         raise ParamError("logit_bias", f"logit_bias names token {max(params.logit_bias)}, out of range for a "
                          f"vocabulary of {vocab_size}")
+    if params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
+        raise ParamError("stop_token_ids", f"stop_token_ids names token {max(params.stop_token_ids)}, out of range for "
+                         f"a vocabulary of {vocab_size}: such a token is never generated")
 
 @patch
 def add(self: LLMEngine, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import json
+import math
 import os
 import re
 import secrets
@@ -18,6 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
+from http import HTTPStatus
 from pathlib import Path
 
 import msgspec
@@ -29,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .. import __version__
 from .async_llm import AsyncLLM
@@ -40,21 +44,27 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['MAX_REQUEST_BYTES', 'MAX_N', 'MAX_LOGPROBS', 'MAX_COMPLETION_LOGPROBS', 'MAX_PROMPTS_PER_REQUEST',
-           'MAX_QUEUED_TOKENS', 'HEALTH_TIMEOUT_S', 'SERVE_MAX_NUM_BATCHED_TOKENS', 'StreamOptions', 'SamplingFields',
-           'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'TokenizeRequest', 'DetokenizeRequest',
+           'MAX_QUEUED_TOKENS', 'HEALTH_TIMEOUT_S', 'FIRST_OUTPUT_GRACE_S', 'HEADER_TIMEOUT_S', 'BODY_TIMEOUT_S',
+           'MAX_CONNECTIONS', 'SERVE_MAX_NUM_BATCHED_TOKENS', 'StreamOptions', 'SamplingFields', 'CompletionRequest',
+           'ContentPart', 'ChatMessage', 'ChatCompletionRequest', 'TokenizeRequest', 'DetokenizeRequest',
            'AsciiJSONResponse', 'one_line', 'error_response', 'validation_message', 'is_json_content_type',
-           'http_error_message', 'check_limit', 'BodyLimit', 'longest_token_chars', 'PromptEncoder', 'usage',
-           'LogprobFormat', 'sse', 'OpenAIReply', 'EngineCollector', 'ServerMetrics', 'RequestTimer', 'generate_all',
-           'batch_window', 'Overloaded', 'ClientGone', 'OpenAIServer', 'until_disconnected', 'chat_messages',
-           'ApiKeyCheck', 'AnswerFailures', 'build_app', 'bind_socket', 'use_chat_template', 'serve']
+           'http_error_message', 'check_limit', 'BodyLimit', 'raw_response', 'SlowClientGuard', 'guarded_protocol',
+           'longest_token_chars', 'PromptEncoder', 'usage', 'LogprobFormat', 'sse', 'OpenAIReply', 'EngineCollector',
+           'ServerMetrics', 'RequestTimer', 'generate_all', 'batch_window', 'Overloaded', 'ClientGone',
+           'EngineUnresponsive', 'OpenAIServer', 'until_disconnected', 'chat_messages', 'ApiKeyCheck', 'AnswerFailures',
+           'build_app', 'bind_socket', 'use_chat_template', 'serve']
 
 # %% ../../nbs/13c_server.ipynb #ebfbba7b
+# subtle: strict, as OpenAI's API is: "yes" is not a boolean, true is not a token id, 2.5 is not a count
+_FIELDS = ConfigDict(extra="ignore", strict=True)  # fields we do not implement that change nothing (user, ...) are ignored
+
 class StreamOptions(BaseModel):
+    model_config = _FIELDS
     include_usage: bool = False  # a last chunk with the token counts, before [DONE]
 
 class SamplingFields(BaseModel):
     "What completions and chat completions share: the model's name, sampling, stopping, streaming."
-    model_config = ConfigDict(extra="ignore")  # fields we do not implement (user, ...) are accepted and ignored
+    model_config = _FIELDS
     model: str
     temperature: float = 1.0
     top_p: float = 1.0
@@ -64,6 +74,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int = 1
+    best_of: int | None = None  # completions generated to return the best n of: only n itself is honoured
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM's: 1 = off
@@ -87,17 +98,39 @@ class SamplingFields(BaseModel):
                               skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
                               prompt_logprobs=self.prompt_logprobs)
 
+    def not_honoured(self) -> tuple[str, str] | None:
+        "`(field, message)` for the first field given that this server cannot honour, else None."
+        if self.best_of is not None and self.best_of != self.n:
+            if self.best_of < self.n:
+                return "best_of", (f"best_of must be at least n (it counts the completions generated, n those "
+                                   f"returned), got best_of={self.best_of} and n={self.n}")
+            return "best_of", (f"best_of > n is not supported (got best_of={self.best_of}, n={self.n}): minivllm "
+                               "returns every completion it generates; ask for n=best_of and choose among them by "
+                               "their logprobs, or drop best_of")
+        return None
+
 class CompletionRequest(SamplingFields):
     "`POST /v1/completions`: one prompt (text or token ids) or a list of them."
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None  # the sampled token's and the k most likely tokens' log-probabilities
     echo: bool = False
+    suffix: str | None = None  # text after the completion (insertion): not supported
+
+    def not_honoured(self) -> tuple[str, str] | None:
+        if self.suffix:
+            return "suffix", "suffix is not supported: minivllm completes a prompt, it does not insert text before a suffix"
+        return super().not_honoured()
+
+class ContentPart(BaseModel):
+    model_config = _FIELDS
+    type: str  # "text" is the only kind minivllm reads
+    text: str | None = None
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _FIELDS
     role: str
-    content: str | list[dict] | None = None  # text, or OpenAI's list of parts ({"type": "text", "text": ...})
+    content: str | list[ContentPart] | None = None  # text, or OpenAI's list of parts ({"type": "text", "text": ...})
 
 class ChatCompletionRequest(SamplingFields):
     "`POST /v1/chat/completions`: a conversation, to which the model's chat template is applied."
@@ -106,19 +139,47 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict] | None = None  # function calling: not supported (refused, never ignored)
+    tool_choice: str | dict | None = None
+    functions: list[dict] | None = None  # OpenAI's older names for tools and tool_choice
+    function_call: str | dict | None = None
+    response_format: dict | None = None  # {"type": "text"} only: replies are not constrained to JSON
+
+    def not_honoured(self) -> tuple[str, str] | None:
+        calls = "minivllm does not call tools (its replies are plain text): drop {}, or describe the tools in a message"
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                return name, f"{name} is not supported: " + calls.format(name)
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none", "auto"):
+                return name, f"{name} {getattr(self, name)!r} is not supported: " + calls.format(name)
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format", (f"response_format {self.response_format.get('type')!r} is not supported: "
+                                       "minivllm does not constrain its replies to JSON; drop response_format")
+        return super().not_honoured()
+
+    def max_new_tokens(self) -> int | None:
+        "The most tokens to generate: `max_completion_tokens` (OpenAI's name), or its older name `max_tokens`; `ValueError` if they disagree."
+        if self.max_completion_tokens is None:
+            return self.max_tokens
+        if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+            raise ValueError(f"max_completion_tokens ({self.max_completion_tokens}) and max_tokens ({self.max_tokens}) "
+                             "disagree: give one of them (max_tokens is its older name)")
+        return self.max_completion_tokens
 
 class TokenizeRequest(BaseModel):
     "`POST /tokenize` (vLLM's): the token ids of a prompt, or of a conversation after the chat template."
-    model_config = ConfigDict(extra="ignore")
+    model_config = _FIELDS
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
 
 class DetokenizeRequest(BaseModel):
     "`POST /detokenize` (vLLM's): the text of token ids."
-    model_config = ConfigDict(extra="ignore")
+    model_config = _FIELDS
     model: str | None = None
     tokens: list[int]
+
 
 # %% ../../nbs/13c_server.ipynb #c27834c2
 class AsciiJSONResponse(JSONResponse):
@@ -145,6 +206,12 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
     return AsciiJSONResponse({"error": {"message": one_line(message), "type": kind, "param": param, "code": code}},
                              status_code=status, headers=headers)
 
+# what a field of several types takes, as its 400 says it
+_FORMS = {"prompt": "a string, a list of token ids (integers), or a list of strings or of lists of token ids",
+          "content": 'a string, or a list of text parts ({"type": "text", "text": "..."})',
+          "stop": "a string or a list of strings", "tool_choice": "a string or an object",
+          "function_call": "a string or an object"}
+
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     "`(message, param)` for a body that does not match its request model: the first problem, named by its field."
     e = exc.errors()[0]
@@ -156,6 +223,11 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if e.get("type") == "missing":
             return "the body is empty: send a JSON object (Content-Type: application/json)", None
         return f"the body must be a JSON object ({e.get('msg', 'it is not one')})", None
+    # subtle: a field of several types fails once per type, each error's location naming the type after the field
+    # (prompt.list[int].0): the field is named, with what it takes
+    if (i := next((i for i, p in enumerate(where[:-1]) if p in _FORMS), None)) is not None:
+        field = ".".join(where[:i + 1])
+        return f"{field} must be {_FORMS[where[i]]}", field
     return f"{field}: {e.get('msg', 'invalid')}", field
 
 # %% ../../nbs/13c_server.ipynb #d2b23ca6
@@ -191,6 +263,7 @@ MAX_COMPLETION_LOGPROBS = 5  # the same for completions' logprobs (OpenAI's limi
 MAX_PROMPTS_PER_REQUEST = 2048  # the most prompts one completions request may hold, by default (as OpenAI's 2,048 inputs)
 MAX_QUEUED_TOKENS = 2**20  # the most prompt tokens of requests taken and not finished, by default; past it, a 429
 HEALTH_TIMEOUT_S = 5.0  # how long /health waits for the engine core's answer to a ping, by default
+FIRST_OUTPUT_GRACE_S = 0.5  # how often a request waiting for its first output looks at the engine's processes
 
 def check_limit(name: str, value, unit: str) -> None:
     "`ValueError` naming `name` unless `value` is a positive whole number (of `unit`)."
@@ -238,6 +311,91 @@ class BodyLimit:
                 await send(message)
 
         await self.app(scope, receive_within_limit, send_unless_refused)
+
+# %% ../../nbs/13c_server.ipynb #78c9596a
+HEADER_TIMEOUT_S = 10.0  # the most seconds a request's head (its line and headers) may take to arrive, by default
+BODY_TIMEOUT_S = 30.0  # the most seconds its body may take after its head, by default
+MAX_CONNECTIONS = 1000  # the most connections a server holds open at once, by default
+
+def raw_response(response: JSONResponse) -> bytes:
+    "`response` as bytes on the wire, with `connection: close`: for an answer sent below the app, where no request runs."
+    status = response.status_code
+    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}".encode()]
+    lines += [name + b": " + value for name, value in response.raw_headers] + [b"connection: close"]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + response.body
+
+class SlowClientGuard(HttpToolsProtocol):
+    "uvicorn's HTTP protocol with bounds for slow clients: a request's head within `header_timeout_s`, its body within `body_timeout_s` after it, at most `max_connections` open; past one, a 408 or a 503, and the connection closed."
+    def __init__(self, *args, header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.header_timeout_s, self.body_timeout_s, self.max_connections = header_timeout_s, body_timeout_s, max_connections
+        self.deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:  # subtle: this one is counted already
+            return self.refuse(error_response(503, f"the server holds {self.max_connections:,} connections, its most "
+                                              "(max_connections): try again in a moment", "server_error",
+                                              headers={"Retry-After": "1"}))
+        self.expect("head", self.header_timeout_s)  # subtle: from the start, so a connection that sends nothing ends too
+
+    def on_message_begin(self) -> None:  # httptools: a request's first bytes
+        super().on_message_begin()
+        if self.deadline is None:  # the next request on a kept-alive connection
+            self.expect("head", self.header_timeout_s)
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self.expect("body", self.body_timeout_s)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self.cancel_deadline()
+
+    def connection_lost(self, exc) -> None:
+        self.cancel_deadline()
+        super().connection_lost(exc)
+
+    def expect(self, part: str, seconds: float) -> None:
+        "Close the connection, with a 408, unless the request's `part` has arrived within `seconds`."
+        self.cancel_deadline()
+        self.deadline = self.loop.call_later(seconds, self.too_slow, part, seconds)
+
+    def cancel_deadline(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def too_slow(self, part: str, seconds: float) -> None:
+        self.deadline = None
+        # subtle: a body comes after its request's cycle began: once the app has answered, nothing more is sent
+        answered = part == "body" and self.cycle is not None and self.cycle.response_started
+        self.refuse(None if answered else error_response(
+            408, f"the request's {part} did not arrive within {seconds:g} s{' of its head' if part == 'body' else ''} "
+            f"(the server's {'header' if part == 'head' else 'body'} timeout): send the whole request at once",
+            code="request_timeout"))
+
+    def refuse(self, response: JSONResponse | None) -> None:
+        "Send `response` (None: nothing) and close the connection; the app, if a request of it runs, sees its client gone."
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.disconnected = True  # subtle: what the app sends after this is dropped, as for a client that left
+            self.cycle.message_event.set()
+        if response is not None:
+            self.transport.write(raw_response(response))
+        self.transport.close()
+
+def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
+                     max_connections: int = MAX_CONNECTIONS):
+    "uvicorn's `http` for a server: `SlowClientGuard` with these bounds; `ValueError` naming one that is not positive."
+    for name, value in (("header_timeout_s", header_timeout_s), ("body_timeout_s", body_timeout_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    check_limit("max_connections", max_connections, "connections")
+    return functools.partial(SlowClientGuard, header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
+                             max_connections=max_connections)
 
 # %% ../../nbs/13c_server.ipynb #6791aecc
 def longest_token_chars(tokenizer) -> int:
@@ -548,6 +706,9 @@ class Overloaded(Exception):
 class ClientGone(Exception):
     "The client closed its connection before the answer was ready."
 
+class EngineUnresponsive(RuntimeError):
+    "The engine cannot answer a request that waits for its first output (a process of it stopped or gone): a 503, as /health says."
+
 class OpenAIServer:
     "The state behind the routes: the engine, the model's name, the server's tokenizer and encoder, metrics, limits."
     def __init__(self, engine: AsyncLLM, model_name: str, tokenizer=None,
@@ -561,6 +722,7 @@ class OpenAIServer:
         self.max_n = min(MAX_N, engine.args.max_num_seqs)
         self.max_prompts_per_request, self.max_queued_tokens = max_prompts_per_request, max_queued_tokens
         self.queued_tokens = 0  # prompt tokens of the requests taken and not finished (in the event loop's thread)
+        self._looked_at, self._down = -math.inf, None  # engine_down's last look, and what it saw
         self.metrics, self.logprob_format = ServerMetrics(engine), LogprobFormat(self.tokenizer)
         self.encoder = PromptEncoder(self.tokenizer, self.max_model_len, model_name)
 
@@ -572,9 +734,11 @@ class OpenAIServer:
         return None
 
     def check(self, body: SamplingFields) -> JSONResponse | None:
-        "The error response for a body the engine must not see (unknown model, stopped engine, n past its bound), else None."
+        "The error response for a body the engine must not see (unknown model, a field it cannot honour, stopped engine, n past its bound), else None."
         if (error := self.model_error(body.model)) is not None:
             return error
+        if (refused := body.not_honoured()) is not None:
+            return error_response(400, refused[1], param=refused[0])
         if not self.engine.is_running:
             return error_response(503, f"the engine has stopped ({self.engine.error}): restart the server",
                                   "server_error")
@@ -589,8 +753,10 @@ class OpenAIServer:
         for i, ids in enumerate(prompts):
             try:
                 self.engine.check(ids, params, must_fit=True)
-            except ValueError as e:
-                return error_response(400, f"prompt {i}: {e}" if len(prompts) > 1 else str(e), param="prompt")
+            except ValueError as e:  # a sampling parameter's error names it (ParamError), any other is the prompt's
+                param = getattr(e, "param", "prompt")
+                return error_response(400, f"prompt {i}: {e}" if len(prompts) > 1 and param == "prompt" else str(e),
+                                      param=param)
         if (tokens := sum(map(len, prompts))) > self.max_queued_tokens:
             return error_response(400, f"the request's prompts hold {tokens:,} tokens, but this server holds at most "
                                   f"{self.max_queued_tokens:,} at once (its max_queued_tokens): send fewer prompts per "
@@ -635,6 +801,30 @@ async def held(self: OpenAIServer, stream: AsyncIterator, tokens: int) -> AsyncI
         self.queued_tokens -= tokens
 
 @patch
+def engine_down(self: OpenAIServer) -> str | None:
+    "The engine's `why_down` (/health's check without its ping), looked at no more than ten times a second, however many requests ask."
+    # subtle: not the ping: an engine core in one long step answers no ping until the step ends (a prefill chunk of a
+    # large model on a CPU can take longer than health_timeout_s), yet it is working
+    if (now := time.monotonic()) - self._looked_at >= 0.1:
+        self._looked_at, self._down = now, self.engine.why_down()
+    return self._down
+
+@patch
+async def first_output(self: OpenAIServer, stream: AsyncIterator):
+    "The stream's first item; `EngineUnresponsive` if, while it waits for it, the engine is found unable to answer."
+    first = asyncio.ensure_future(anext(stream))
+    try:
+        # subtle: most first outputs come within the grace; the engine's processes are looked at for those that do not
+        while not (await asyncio.wait({first}, timeout=FIRST_OUTPUT_GRACE_S))[0]:
+            if (problem := self.engine_down()) is not None:
+                raise EngineUnresponsive(f"the engine cannot serve now: {problem}")
+        return first.result()
+    finally:
+        if not first.done():  # subtle: cancelled inside the engine's stream, which aborts the request
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+
+@patch
 async def respond(self: OpenAIServer, body: SamplingFields, prompts: list[list[int]], params: SamplingParams, chat: bool,
                   texts: list[str | None], timer: RequestTimer, http: HTTPRequest | None = None):
     "Run the request and answer it whole or as a stream of server-sent events; a client that leaves aborts all of it."
@@ -644,7 +834,7 @@ async def respond(self: OpenAIServer, body: SamplingFields, prompts: list[list[i
     async def rest():
         return [x async for x in stream]
     try:  # the first delta comes only once the engine has accepted the prompts: errors are still a 400
-        first = await until_disconnected(http, anext(stream))
+        first = await until_disconnected(http, self.first_output(stream))
         deltas = [first] + await until_disconnected(http, rest()) if not body.stream else None
     except ClientGone:  # every prompt of it is aborted already; nobody reads what we answer
         await stream.aclose()
@@ -654,7 +844,7 @@ async def respond(self: OpenAIServer, body: SamplingFields, prompts: list[list[i
     except (ValueError, TypeError) as e:
         await stream.aclose()
         return error_response(400, str(e))
-    except RuntimeError as e:  # the engine has stopped
+    except RuntimeError as e:  # the engine has stopped, or cannot answer (EngineUnresponsive)
         await stream.aclose()
         return error_response(503, str(e), "server_error")
     if deltas is not None:
@@ -686,12 +876,15 @@ async def respond(self: OpenAIServer, body: SamplingFields, prompts: list[list[i
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     "The conversation as the chat template takes it, `{'role', 'content'}` with text content; `ValueError` for other parts."
     plain = []
-    for m in messages:
+    for i, m in enumerate(messages):
         content = m.content or ""
         if isinstance(content, list):
-            if any(part.get("type") != "text" for part in content):
-                raise ValueError("only text content parts are supported")
-            content = "".join(part.get("text", "") for part in content)
+            if (kind := next((p.type for p in content if p.type != "text"), None)) is not None:
+                raise ValueError(f"messages[{i}].content has a part of type {kind!r}: only text content parts are "
+                                 "supported")
+            if any(p.text is None for p in content):
+                raise ValueError(f"messages[{i}].content has a text part without its text: give each part a text")
+            content = "".join(p.text for p in content)
         plain.append({"role": m.role, "content": content})
     return plain
 
@@ -744,9 +937,16 @@ async def chat_completions(self: OpenAIServer, body: ChatCompletionRequest, http
         return error_response(400, f"top_logprobs must be from 0 to {MAX_LOGPROBS}, got {k}", param="top_logprobs")
     timer = RequestTimer(self.metrics)
     try:
-        params = body.sampling_params(body.max_completion_tokens or body.max_tokens, k if body.logprobs else None)
+        max_tokens = body.max_new_tokens()
+    except ValueError as e:
+        return error_response(400, str(e), param="max_completion_tokens")
+    try:
+        params = body.sampling_params(max_tokens, k if body.logprobs else None)
     except ValueError as e:  # a ParamError names its field
-        return error_response(400, str(e), param=getattr(e, "param", None))
+        param = getattr(e, "param", None)
+        if param == "max_tokens" and body.max_completion_tokens is not None:  # the engine's name for it
+            return error_response(400, f"max_completion_tokens: {e}", param="max_completion_tokens")
+        return error_response(400, str(e), param=param)
     try:
         text, token_ids = await self.encoder.encode_chat(messages)
     except ValueError as e:
@@ -934,20 +1134,26 @@ def serve(model: str | Path | None = None, tensor_parallel_size: int = 1, host: 
           api_key: str | None = None, served_model_name: str | None = None, log_level: str = "warning",
           max_request_bytes: int = MAX_REQUEST_BYTES, max_num_batched_tokens: int | None = None,
           max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST, max_queued_tokens: int = MAX_QUEUED_TOKENS,
-          chat_template: str | None = None, **engine_kwargs) -> None:
+          chat_template: str | None = None, header_timeout_s: float = HEADER_TIMEOUT_S,
+          body_timeout_s: float = BODY_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS, **engine_kwargs) -> None:
     "Serve a model over OpenAI's API until SIGINT or SIGTERM, then close the engine (workers ended, shared memory freed); `SystemExit(1)` if the engine dies."
     check_limit("max_request_bytes", max_request_bytes, "bytes")
     check_limit("max_prompts_per_request", max_prompts_per_request, "prompts")
     check_limit("max_queued_tokens", max_queued_tokens, "tokens")
+    protocol = guarded_protocol(header_timeout_s, body_timeout_s, max_connections)  # checks them
     engine_kwargs["max_num_batched_tokens"] = max_num_batched_tokens or SERVE_MAX_NUM_BATCHED_TOKENS
     sock, engine, previous = bind_socket(host, port), None, signal.getsignal(signal.SIGTERM)
     try:
         engine = AsyncLLM(model, tensor_parallel_size, **engine_kwargs)  # the engine core, in its own process
+        # subtle: the template goes to the server's tokenizer, which renders and encodes prompts in a thread of its
+        # own (PromptEncoder); the engine's copy only decodes outputs, in the engine's output thread
+        tokenizer = _load_tokenizer(Path(engine.args.model))
         if chat_template is not None:
-            use_chat_template(engine.tokenizer, chat_template)
+            use_chat_template(tokenizer, chat_template)
         name = served_model_name or (str(model) if model is not None else "minivllm-default")
-        app = build_app(engine, name, api_key, None, max_request_bytes, max_prompts_per_request, max_queued_tokens)
-        server = _Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3), engine)
+        app = build_app(engine, name, api_key, tokenizer, max_request_bytes, max_prompts_per_request, max_queued_tokens)
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3, http=protocol)
+        server = _Server(config, engine)
         shown = f"[{host}]" if ":" in host else host
         logger.info(f"serving {name!r} at http://{shown}:{sock.getsockname()[1]}/v1 (Ctrl-C or SIGTERM stops it)")
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
