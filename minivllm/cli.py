@@ -219,11 +219,11 @@ def _add_serve(sub) -> None:
                    help="the most connections held open at once; one more gets a 503 and is closed (default: 1000, "
                         "minivllm.serve.server.MAX_CONNECTIONS)")
     s.add_argument("--max-stop-strings", type=int, default=None, metavar="N",
-                   help="the most stop strings one request may give; more get a 400 (default: the engine's, "
-                        "AsyncLLM's max_stop_strings)")
+                   help="the most stop strings one request may give; more get a 400 (default: 64, "
+                        "minivllm.serve.async_llm.MAX_STOP_STRINGS)")
     s.add_argument("--max-stop-string-chars", type=int, default=None, metavar="N",
-                   help="the most characters one stop string may have; a longer one gets a 400 (default: the "
-                        "engine's, AsyncLLM's max_stop_string_chars)")
+                   help="the most characters one stop string may have; a longer one gets a 400 (default: 1024, "
+                        "minivllm.serve.async_llm.MAX_STOP_STRING_CHARS)")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level; info logs every request (default: %(default)s)")
     add_node_options(s)
