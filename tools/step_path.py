@@ -7,33 +7,65 @@ any file calls back into one that called it. A reader follows the same path when
 It traces `LLM.step()` of a decode step with `sys.setprofile` (Python functions of minivllm only; torch's and the
 C++ kernels' inner calls are not counted): a *file* is a module some function of the step ran in, a *hop* is one
 caller-file -> callee-file pair (each counted once), and the step runs *one direction* when those pairs form no cycle.
+What a reader pays: the *lines* of the functions the step runs (each function counted once, from its first line to
+its last; comprehensions and lambdas inside them are part of them), and the *check calls* (calls of functions named
+`check`, `validate`, `check_...` or `validate_...`, each call counted).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import minivllm
 
 
-def trace_step(step) -> tuple[list[str], list[tuple[str, str]]]:
-    "Run `step()` under a profiler; the package's files in the order first entered, and the caller->callee file pairs."
+@dataclass
+class StepTrace:
+    "What one call ran of the package: its files in the order first entered, caller->callee file pairs, functions, check calls."
+    files: list[str] = field(default_factory=list)
+    pairs: list[tuple[str, str]] = field(default_factory=list)
+    functions: dict[str, int] = field(default_factory=dict)  # "file:line name" -> its lines
+    check_calls: dict[str, int] = field(default_factory=dict)  # "file:line name" -> how many times the step called it
+
+    @property
+    def lines(self) -> int: return sum(self.functions.values())
+
+
+def function_lines(code) -> int:
+    "Lines of a function, from its first line to its last."
+    last = max((line for *_, line in code.co_lines() if line is not None), default=code.co_firstlineno)
+    return last - code.co_firstlineno + 1
+
+
+def is_check(name: str) -> bool:
+    "Whether a function of this name checks its inputs: `check`, `validate`, `check_...`, `validate_...` (a leading _ too)."
+    name = name.lstrip("_")
+    return name in ("check", "validate") or name.startswith(("check_", "validate_"))
+
+
+def trace_step(step) -> StepTrace:
+    "Run `step()` under a profiler: what it ran of the package."
     root = str(Path(minivllm.__file__).parent) + "/"
-    files: dict[str, None] = {}
-    pairs: dict[tuple[str, str], None] = {}
+    trace, files, pairs = StepTrace(), {}, {}
     stack: list[str | None] = []
 
     def profile(frame, event, arg):
         if event == "call":
-            name = frame.f_code.co_filename
-            here = name[len(root):] if name.startswith(root) else None
+            code = frame.f_code
+            here = code.co_filename[len(root):] if code.co_filename.startswith(root) else None
             caller = next((f for f in reversed(stack) if f is not None), None)
             if here is not None:
                 files.setdefault(here)
                 if caller is not None and caller != here:
                     pairs.setdefault((caller, here))
+                if not code.co_name.startswith("<"):  # a comprehension or lambda is counted in its function's lines
+                    key = f"{here}:{code.co_firstlineno} {code.co_name}"
+                    trace.functions.setdefault(key, function_lines(code))
+                    if is_check(code.co_name):
+                        trace.check_calls[key] = trace.check_calls.get(key, 0) + 1
             stack.append(here)
         elif event == "return" and stack:
             stack.pop()
@@ -43,7 +75,8 @@ def trace_step(step) -> tuple[list[str], list[tuple[str, str]]]:
         step()
     finally:
         sys.setprofile(None)
-    return list(files), list(pairs)
+    trace.files, trace.pairs = list(files), list(pairs)
+    return trace
 
 
 def cycles(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -74,15 +107,21 @@ def main(argv: list[str] | None = None) -> int:
         llm.add_request("ROMEO.", SamplingParams(temperature=0, max_tokens=8))
         llm.step()  # the prefill
         llm.step()  # a first decode (warm: graphs and caches are built)
-        files, pairs = trace_step(llm.step)
-    back = cycles(pairs)
-    print(f"{len(files)} files, {len(pairs)} caller->callee file pairs, {len(back)} of them in a cycle")
-    for f in files:
-        print(f"  {f}")
-    for caller, callee in pairs:
+        trace = trace_step(llm.step)
+    back = cycles(trace.pairs)
+    print(f"{len(trace.files)} files, {len(trace.pairs)} caller->callee file pairs, {len(back)} of them in a cycle; "
+          f"{len(trace.functions)} functions of {trace.lines} lines; {sum(trace.check_calls.values())} check calls")
+    for f in trace.files:
+        lines = sum(n for key, n in trace.functions.items() if key.split(":")[0] == f)
+        print(f"  {f}: {lines} lines")
+    for caller, callee in trace.pairs:
         print(f"  {caller} -> {callee}{'   (back up)' if (caller, callee) in back else ''}")
+    for key, calls in sorted(trace.check_calls.items(), key=lambda kv: -kv[1]):
+        print(f"  {calls:4d} calls of {key}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"files": files, "pairs": pairs, "cycles": back}, indent=1))
+        Path(a.json).write_text(json.dumps({"files": trace.files, "pairs": trace.pairs, "cycles": back,
+                                            "functions": trace.functions, "lines": trace.lines,
+                                            "check_calls": trace.check_calls}, indent=1))
     return 0
 
 
