@@ -31,7 +31,7 @@ def time_decode_steps(model: str | Path | None, tensor_parallel_size: int = 1, b
                       steps: int = 8, num_threads: int | None = None, seed: int = 0,
                       before_decode: Callable[[Any], None] | None = None) -> StepTimes:
     "Time `steps` decode steps of `batch` greedy sequences of `context` random tokens, in float32 (`before_decode(llm)` first)."
-    from minivllm.engine.scheduler import SamplingParams
+    from minivllm.sampling_params import SamplingParams
     from minivllm.llm import LLM
     g = torch.Generator().manual_seed(seed)
     with LLM(model, tensor_parallel_size=tensor_parallel_size, dtype="float32", max_model_len=context + steps + 4,

@@ -16,10 +16,11 @@ from tqdm.auto import tqdm
 
 from fastcore.basics import patch
 
-from .config import DEFAULT_MODEL, check_text, check_token_ids, has_tokenizer, is_int  # noqa: F401  DEFAULT_MODEL: as before
-from .engine.llm_engine import LLMEngine, check_params_for_vocab, logger, sample_seed  # noqa: F401  logger, sample_seed: as before
+from .config import check_text, check_token_ids, has_tokenizer, is_int
+from .engine.llm_engine import LLMEngine, check_params_for_vocab
 from .engine.model_runner import EngineArgs, ModelRunner
-from .engine.scheduler import SamplingParams, Scheduler
+from .engine.scheduler import Scheduler
+from .sampling_params import SamplingParams
 from .engine.sequence import Sequence
 from .sampling_params import ParamError
 
@@ -29,8 +30,8 @@ if TYPE_CHECKING:  # the channels' types, for the annotations only: the ranks ar
     from minivllm.cluster import GlooCommandChannel
 
 # %% auto #0
-__all__ = ['CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer', 'StopStrings', 'CompletionText', 'Request', 'LLM',
-           'encode_prompt', 'check_params_for_model']
+__all__ = ['CompletionOutput', 'RequestOutput', 'load_tokenizer', 'IncrementalDetokenizer', 'StopStrings', 'CompletionText',
+           'Request', 'LLM', 'encode_prompt', 'check_params_for_model']
 
 # %% ../nbs/13_llm.ipynb #23843fa7
 @dataclass
@@ -70,7 +71,7 @@ class RequestOutput:
         return f"RequestOutput({shown!r}, finish_reason={self.finish_reason!r}, {len(self.token_ids)} tokens{more})"
 
 # %% ../nbs/13_llm.ipynb #dee4a972
-def _load_tokenizer(path: Path):
+def load_tokenizer(path: Path):
     "The checkpoint's tokenizer, or None if the folder has none (random test checkpoints)."
     if not has_tokenizer(path):
         return None
@@ -266,7 +267,7 @@ class LLM:
                                 kvcache_block_size=kvcache_block_size, enforce_eager=enforce_eager, seed=seed,
                                 **engine_kwargs)
         try:  # skip_tokenizer_init: prompts and outputs are token ids only
-            self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(Path(self.args.model))
+            self.tokenizer = None if skip_tokenizer_init else load_tokenizer(Path(self.args.model))
         except BaseException:
             self.close()
             raise

@@ -24,12 +24,14 @@ from .checkpoints import make_tiny_checkpoint
 from .engine.block_manager import BlockManager
 from .engine.ipc import worker_loop
 from .cluster.multinode import GlooCommandChannel, GlooCommandReceiver
-from .engine.scheduler import SamplingParams, ScheduledBatch, Scheduler
+from .engine.scheduler import ScheduledBatch, Scheduler
+from .sampling_params import SamplingParams
 from .engine.sequence import SequenceStatus
 from .attention import Attention, store_kvcache
 from .kv_cache import allocate_kv_cache, decode_metadata, prefill_metadata, slot_mapping
 from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from .llm import DEFAULT_MODEL, LLM
+from .config import DEFAULT_MODEL
+from .llm import LLM
 from .models import CausalLM
 from .cluster.wire import ClusterKey
 from .shm_allreduce import SEGMENT_PREFIX

@@ -18,7 +18,7 @@ import pytest
 
 from minivllm import __version__
 from minivllm.cli import main, make_parser
-from minivllm.llm import DEFAULT_MODEL
+from minivllm.config import DEFAULT_MODEL
 from minivllm.testing import (ServerProcess, default_sigint, gone, make_tiny_checkpoint,
                               rank_processes, wait_until)
 

@@ -97,7 +97,7 @@ def test_the_packaged_model_on_two_hosts():
     n = len(long_prompts)
     prefill = StepInputs(True, sum(long_prompts, []), [0] * n, [len(p) for p in long_prompts], [list(range(63))] * n)
     assert len(CommandCodec(ModelRunner.COMMANDS).encode("run", prefill)) > INLINE_BYTES
-    from minivllm.llm import DEFAULT_MODEL
+    from minivllm.config import DEFAULT_MODEL
     port = free_port()
     with WorkerNode("127.0.0.1", port) as node:
         with LLM(DEFAULT_MODEL, tensor_parallel_size=4, nnodes=2, master_port=port, dtype="float32") as llm:

@@ -63,18 +63,22 @@ def test_a_folder_named_minivllm_beside_a_script_does_not_hide_the_package(tmp_p
     assert run.stdout.strip().endswith("__init__.py")
 
 
-def test_modules_moved_into_subpackages_import_by_their_old_names_too():
-    "The serving and cluster modules live in minivllm.serve and minivllm.cluster; the old names give the same modules."
+def test_no_module_answers_to_an_old_name():
+    "The serving and cluster modules are imported from minivllm.serve and minivllm.cluster; no finder keeps other names."
     script = textwrap.dedent('''
-        import importlib
-        from minivllm import _MOVED
-        for old, new in _MOVED.items():
-            assert importlib.import_module(old) is importlib.import_module(new), old
-        from minivllm.server import CompletionRequest  # noqa: F401
-        from minivllm.async_llm import AsyncLLM
+        import importlib, sys
         import minivllm
-        assert minivllm.AsyncLLM is AsyncLLM
+        from minivllm.serve.server import CompletionRequest  # noqa: F401
+        for old in ("minivllm.server", "minivllm.async_llm", "minivllm.cpu_kernels", "minivllm.engine.core",
+                    "minivllm.engine.multinode", "minivllm.engine.wire"):
+            try:
+                importlib.import_module(old)
+            except ModuleNotFoundError:
+                continue
+            raise AssertionError(f"{old} still imports")
+        assert not [f for f in sys.meta_path if type(f).__module__.startswith("minivllm")], sys.meta_path
         print("OK")
     ''')
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "OK", run.stderr[-2000:]
+

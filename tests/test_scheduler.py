@@ -10,7 +10,8 @@ import pytest
 
 from minivllm.config import check_token_ids
 from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.scheduler import Scheduler, SamplingParams
+from minivllm.engine.scheduler import Scheduler
+from minivllm.sampling_params import SamplingParams
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.testing import FAKE_VOCAB, FakeRunner, reference_tokens, run_scheduler
 

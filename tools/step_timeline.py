@@ -35,7 +35,8 @@ def measure(steps: int = 7) -> dict:
     from minivllm.bench.workload import Workload
     from minivllm.config import Config
     from minivllm.engine import model_runner
-    from minivllm.llm import DEFAULT_MODEL, LLM
+    from minivllm.config import DEFAULT_MODEL
+    from minivllm.llm import LLM
     work = Workload.make(Config.from_pretrained(DEFAULT_MODEL).vocab_size)
     longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens))
     with LLM(None, num_threads=1, dtype="float32", max_model_len=longest) as llm:

@@ -50,7 +50,7 @@ class Result:
 def bench_minivllm(model: str | Path | None, workload: Workload, tensor_parallel_size: int = 1,
                    dtype: str | None = None, num_threads: int | None = None, **llm_kwargs) -> Result:
     "minivllm's throughput on `workload` (one `generate` call with every request)."
-    from minivllm.engine.scheduler import SamplingParams
+    from minivllm.sampling_params import SamplingParams
     from minivllm.llm import LLM
     start = time.perf_counter()
     longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch and the engine are imported where they are used: `minivllm bench --help` needs neither
-    from minivllm.engine.scheduler import SamplingParams
+    from minivllm.sampling_params import SamplingParams
 
 # %% auto #0
 __all__ = ['Workload', 'device_name', 'arguments_of', 'default_sigint', 'ServerProcess']
@@ -59,7 +59,7 @@ class Workload:
 
     def sampling_params(self) -> list[SamplingParams]:
         "At the workload's temperature (greedy unless said), exactly `output_len` tokens per request."
-        from minivllm.engine.scheduler import SamplingParams
+        from minivllm.sampling_params import SamplingParams
         return [SamplingParams(temperature=self.temperature, max_tokens=n, ignore_eos=True) for n in self.output_lens]
 
 # %% ../../nbs/13d_bench_workload.ipynb #fce7c450

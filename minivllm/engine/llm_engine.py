@@ -18,7 +18,8 @@ from ..distributed import RankFailure
 from .block_manager import BlockManager
 from .launch import Ranks
 from .model_runner import EngineArgs, ModelRunner
-from .scheduler import SamplingParams, Scheduler
+from .scheduler import Scheduler
+from ..sampling_params import SamplingParams
 from .sequence import Sequence
 from ..sampling_params import ParamError
 from fastcore.basics import patch

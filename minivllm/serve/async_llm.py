@@ -18,10 +18,11 @@ from ..distributed import process_state
 from .core import (Abort, AddRequest, EngineCoreGone, EngineCoreProcess, EngineStats, Failed, Ping, Pong,
                                   Rejected, StepOutputs, rebuild_error)
 from ..engine.model_runner import EngineArgs
-from ..engine.scheduler import SamplingParams, check_fits
+from ..engine.scheduler import check_fits
+from ..sampling_params import SamplingParams
 from ..engine.sequence import Sequence, SequenceStatus
-from ..llm import (CompletionOutput, Request, RequestOutput, _load_tokenizer, check_params_for_model, encode_prompt,
-                          logger)
+from ..engine.llm_engine import logger
+from ..llm import CompletionOutput, Request, RequestOutput, check_params_for_model, encode_prompt, load_tokenizer
 from ..sampling_params import ParamError
 from fastcore.basics import patch
 
@@ -112,7 +113,7 @@ class AsyncLLM:
         args = EngineArgs(folder, tensor_parallel_size, **engine_kwargs)
         self.config = args.model_config()  # checks the checkpoint and the TP size before any process starts
         self.args = args.resolved(self.config)
-        self.tokenizer = _load_tokenizer(folder)  # the front end's own: the engine core sees token ids only
+        self.tokenizer = load_tokenizer(folder)  # the front end's own: the engine core sees token ids only
         self.core = EngineCoreProcess(dict(model=str(folder), tensor_parallel_size=tensor_parallel_size,
                                            **engine_kwargs), record_steps)
         self.stats = EngineStats(kv_blocks_free=self.core.num_blocks)

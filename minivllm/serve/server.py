@@ -38,8 +38,9 @@ from .. import __version__
 from .async_llm import AsyncLLM
 from ..config import check_text
 from ..distributed import listen_socket
-from ..engine.scheduler import SamplingParams
-from ..llm import CompletionOutput, RequestOutput, _load_tokenizer, logger
+from ..sampling_params import SamplingParams
+from ..engine.llm_engine import logger
+from ..llm import CompletionOutput, RequestOutput, load_tokenizer
 from fastcore.basics import patch
 
 # %% auto #0
@@ -717,7 +718,7 @@ class OpenAIServer:
         check_limit("max_prompts_per_request", max_prompts_per_request, "prompts")
         check_limit("max_queued_tokens", max_queued_tokens, "tokens")
         self.engine, self.model_name = engine, model_name
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(Path(engine.args.model))
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(Path(engine.args.model))
         self.max_model_len = engine.args.max_model_len
         self.max_n = min(MAX_N, engine.args.max_num_seqs)
         self.max_prompts_per_request, self.max_queued_tokens = max_prompts_per_request, max_queued_tokens
@@ -1147,7 +1148,7 @@ def serve(model: str | Path | None = None, tensor_parallel_size: int = 1, host: 
         engine = AsyncLLM(model, tensor_parallel_size, **engine_kwargs)  # the engine core, in its own process
         # subtle: the template goes to the server's tokenizer, which renders and encodes prompts in a thread of its
         # own (PromptEncoder); the engine's copy only decodes outputs, in the engine's output thread
-        tokenizer = _load_tokenizer(Path(engine.args.model))
+        tokenizer = load_tokenizer(Path(engine.args.model))
         if chat_template is not None:
             use_chat_template(tokenizer, chat_template)
         name = served_model_name or (str(model) if model is not None else "minivllm-default")
