@@ -7,8 +7,8 @@ __version__ = "0.0.1"
 import importlib
 
 # each public name -> the module that defines it
-_LAZY = {"SamplingParams": "minivllm.sampling_params", "LLM": "minivllm.llm", "CompletionOutput": "minivllm.llm",
-         "RequestOutput": "minivllm.llm", "AsyncLLM": "minivllm.serve.async_llm"}
+_LAZY = {"SamplingParams": "minivllm.sampling_params", "LLM": "minivllm.llm", "CompletionOutput": "minivllm.outputs",
+         "RequestOutput": "minivllm.outputs", "AsyncLLM": "minivllm.serve.async_llm"}
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 

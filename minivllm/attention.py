@@ -6,9 +6,8 @@
 from __future__ import annotations
 
 import functools
-import importlib.metadata
-import importlib.util
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -16,13 +15,6 @@ from torch import nn
 
 from . import cpu
 from .kv_cache import AttentionMetadata, check_store_args, store_kvcache_torch
-
-# subtle: whether triton is there, asked without importing it: the CPU path never loads it (importing triton starts
-# its compiler's runtime, which prints a page of "nanobind: leaked" lines when the process exits)
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-# Triton's interpreter runs kernels on CPU tensors only from triton 3.2 on; the interpreter of triton 3.0 and 3.1
-# (which torch 2.4 and 2.5 pin) copies CPU tensors in and never writes them back, a silent no-op
-TRITON_RUNS_ON_CPU = HAS_TRITON and tuple(int(n) for n in importlib.metadata.version("triton").split(".")[:2]) >= (3, 2)
 
 try:  # optional: the fast attention kernels on CUDA (`pip install minivllm[gpu]`)
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -32,11 +24,11 @@ except ImportError:
     HAS_FLASH_ATTN = False
 
 # %% auto #0
-__all__ = ['HAS_TRITON', 'TRITON_RUNS_ON_CPU', 'CPU_KERNEL_SOURCE', 'ATTENTION_BACKENDS', 'VLLM_BACKEND_NAMES',
-           'CPU_DECODE_DTYPES', 'attention_reference', 'causal_mask', 'attention_sdpa', 'gather_kv', 'decode_attention',
-           'paged_attention_torch', 'cpu_decode_kernel', 'cpu_store_kernel', 'paged_decode_attention_cpu',
+__all__ = ['CPU_KERNEL_SOURCE', 'ATTENTION_BACKENDS', 'VLLM_BACKEND_NAMES', 'CPU_DECODE_DTYPES', 'attention_reference',
+           'causal_mask', 'attention_sdpa', 'gather_kv', 'decode_attention', 'paged_attention_torch',
+           'cpu_decode_kernel', 'cpu_store_kernel', 'paged_decode_attention_cpu', 'cpu_decode', 'store_implementation',
            'store_kvcache', 'paged_attention_flash', 'attention_backend_name', 'check_backend_runs',
-           'attention_backend', 'Attention', 'set_attention_backend']
+           'attention_backend', 'attention_implementation', 'Attention', 'set_attention_backend']
 
 # %% ../nbs/06a_attention.ipynb #345919a1
 def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -135,17 +127,29 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                       context_lens=metadata.context_lens)
     return cpu_decode_kernel()(q, k_cache, v_cache, metadata.block_tables, metadata.context_lens, scale)
 
+def cpu_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    "The C++ decode as the layer calls it, on the tensors the engine built: `paged_decode_attention_cpu` without its checks."
+    return cpu_decode_kernel()(q, k_cache, v_cache, metadata.block_tables, metadata.context_lens, scale)
+
 # %% ../nbs/06a_attention.ipynb #e7cf03d2
+def store_implementation(device: torch.device | str, checked: bool = True) -> Callable:
+    "The cache store for `device`: C++ on the CPU, Triton on a GPU, else torch's (its arguments `checked` or not); each called `(key, value, k_cache, v_cache, slot_mapping)`."
+    device = torch.device(device)
+    if device.type == "cpu" and cpu_store_kernel() is not None:
+        return cpu_store_kernel()  # subtle: the operator itself: the layer's store runs no Python of ours
+    if device.type == "cuda":
+        from minivllm import triton_attention  # notebook 06b: loaded only on a GPU, never on the CPU's path
+        if triton_attention.HAS_TRITON:
+            return triton_attention.store_kvcache_triton
+    return store_kvcache_torch if checked else functools.partial(store_kvcache_torch, checked=False)
+
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     "Write each token's key and value into its cache slot (`< 0`: skip): Triton on CUDA, C++ on the CPU, else torch."
     kernel = cpu_store_kernel() if key.device.type == "cpu" else None
     if kernel is None:  # the Triton and torch stores check their own arguments
-        if HAS_TRITON and key.is_cuda:  # notebook 06b's kernel, imported only here
-            from minivllm.triton_attention import store_kvcache_triton as store
-        else:
-            store = store_kvcache_torch
-        return store(key, value, k_cache, v_cache, slot_mapping)
+        return store_implementation(key.device)(key, value, k_cache, v_cache, slot_mapping)
     check_store_args(key, value, k_cache, v_cache, slot_mapping)  # the same messages as the other stores
     cpu.check_cpu_tensors("store_kvcache", (key.dtype,), value=value, k_cache=k_cache, v_cache=v_cache)
     cpu.check_cpu_tensors("store_kvcache", (torch.int64,), slot_mapping=slot_mapping)
@@ -157,6 +161,9 @@ def paged_attention_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     "`paged_attention_torch` by flash-attn's kernels (CUDA; float16/bfloat16; paged blocks a multiple of 256)."
     md = metadata
     if md.is_prefill:
+        if md.block_tables is not None and k_cache.shape[1] % 256:  # flash-attn reads blocks of a multiple of 256
+            from minivllm.triton_attention import paged_attention_triton
+            return paged_attention_triton(q, k, v, k_cache, v_cache, md, scale)
         if md.block_tables is not None:  # cached prefix: read every key from the cache
             k, v = k_cache, v_cache
         return flash_attn_varlen_func(q, k, v, cu_seqlens_q=md.cu_seqlens_q, cu_seqlens_k=md.cu_seqlens_k,
@@ -185,32 +192,46 @@ def check_backend_runs(backend: str, device: torch.device | str | None = None) -
         raise ValueError("the 'flash' attention backend needs flash-attn, which is not installed (pip install flash-attn)")
     if backend == "cpu" and cpu_decode_kernel() is None:
         raise ValueError("the 'cpu' attention backend needs the CPU decode kernel, which could not be built (see the warning)")
-    if backend == "triton" and not HAS_TRITON:
-        raise ValueError("the 'triton' attention backend needs triton, which is not installed (pip install triton)")
+    if backend == "triton":
+        from minivllm import triton_attention as tri  # notebook 06b: the backend asked for is Triton
+        if not tri.HAS_TRITON:
+            raise ValueError("the 'triton' attention backend needs triton, which is not installed (pip install triton)")
     on_cpu = device is not None and torch.device(device).type == "cpu"
     if device is not None and backend == "flash" and on_cpu:
         raise ValueError("the 'flash' attention backend runs on a CUDA GPU only")
     if device is not None and backend == "cpu" and not on_cpu:
         raise ValueError("the 'cpu' attention backend runs on the CPU only")
-    if backend == "triton" and on_cpu and not (TRITON_RUNS_ON_CPU and os.environ.get("TRITON_INTERPRET") == "1"):
+    if backend == "triton" and on_cpu and not (tri.TRITON_RUNS_ON_CPU and os.environ.get("TRITON_INTERPRET") == "1"):
         raise ValueError("the 'triton' attention backend runs on the CPU only in Triton's interpreter (slow, for "
                          "tests): set TRITON_INTERPRET=1 before starting, with triton >= 3.2")
 
-def attention_backend(q: torch.Tensor, k_cache: torch.Tensor | None, metadata: AttentionMetadata) -> str:
-    "The fastest backend that can run this call: flash-attn or Triton on a GPU, the C++ kernel or SDPA on the CPU."
-    if not q.is_cuda:
+def attention_backend(device: torch.device | str, dtype: torch.dtype, head_dim: int, is_prefill: bool,
+                      block_size: int | None = None) -> str:
+    "The fastest backend for prefills (or decodes) of a model in `dtype` on `device`: flash-attn or Triton on a GPU, the C++ kernel or SDPA on the CPU."
+    if torch.device(device).type != "cuda":
         # subtle: prefill runs SDPA, as transformers does; decode runs the kernel, float32 math on float32 or bfloat16
         # caches with one rounding of its output (close to SDPA's bfloat16, not its bits; float16 keeps SDPA).
         # `attention_reference` stays the readable definition that the tests check both against.
-        if (not metadata.is_prefill and q.dtype in CPU_DECODE_DTYPES and q.shape[-1] <= 256
-                and cpu_decode_kernel() is not None):
+        if not is_prefill and dtype in CPU_DECODE_DTYPES and head_dim <= 256 and cpu_decode_kernel() is not None:
             return "cpu"
         return "sdpa"
-    reads_cache = not metadata.is_prefill or metadata.block_tables is not None
-    if (HAS_FLASH_ATTN and q.dtype in (torch.float16, torch.bfloat16)
-            and (not reads_cache or k_cache.shape[1] % 256 == 0)):
+    from minivllm.triton_attention import HAS_TRITON  # notebook 06b: on a GPU only
+    # flash-attn's paged kernels read blocks of a multiple of 256 tokens (a prefill over a cached prefix asks Triton)
+    if HAS_FLASH_ATTN and dtype in (torch.float16, torch.bfloat16) and (is_prefill or (block_size or 0) % 256 == 0):
         return "flash"
-    return "triton" if HAS_TRITON and q.shape[-1] <= 256 else "sdpa"
+    return "triton" if HAS_TRITON and head_dim <= 256 else "sdpa"
+
+def attention_implementation(backend: str, is_prefill: bool, dtype: torch.dtype) -> Callable:
+    "The function of `backend` for prefills (or decodes), each called `(q, k, v, k_cache, v_cache, metadata, scale)`."
+    if backend == "flash":
+        return paged_attention_flash
+    if backend == "triton":  # notebook 06b; imported here, so that the CPU path never loads triton
+        from minivllm.triton_attention import paged_attention_triton
+        return paged_attention_triton
+    if backend == "cpu" and not is_prefill and dtype in CPU_DECODE_DTYPES:  # else SDPA, as 'sdpa'
+        return cpu_decode
+    return functools.partial(paged_attention_torch, attend=attention_reference if backend == "torch" else attention_sdpa)
+
 
 # %% ../nbs/06a_attention.ipynb #db066a6e
 class Attention(nn.Module):
@@ -223,41 +244,45 @@ class Attention(nn.Module):
         self.backend = attention_backend_name(backend)
         if self.backend is not None:
             check_backend_runs(self.backend)
+        self.store = self.prefill = self.decode = None  # the implementations, bound once by `choose`
+
+    def choose(self, device: torch.device | str, dtype: torch.dtype, block_size: int | None = None) -> None:
+        "Bind the store, the prefill and the decode for a model in `dtype` on `device`: the layer's backend, else the fastest."
+        self.prefill, self.decode = (attention_implementation(
+            self.backend or attention_backend(device, dtype, self.head_dim, is_prefill, block_size), is_prefill, dtype)
+            for is_prefill in (True, False))
+        self.store = store_implementation(device, checked=False)  # subtle: a model's layer stores the engine's tensors
+
+    def check_inputs(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        "Raise unless q is `[T, num_heads, head_dim]` and k `[T, num_kv_heads, head_dim]`."
+        if q.shape[1:] != (self.num_heads, self.head_dim) or k.shape[1:] != (self.num_kv_heads, self.head_dim):
+            raise ValueError(f"expected q [T, {self.num_heads}, {self.head_dim}] and k/v [T, {self.num_kv_heads}, "
+                             f"{self.head_dim}], got {tuple(q.shape)} and {tuple(k.shape)}")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None,
                 v_cache: torch.Tensor | None, metadata: AttentionMetadata) -> torch.Tensor:
         "Attention output `[T, num_heads * head_dim]` of q `[T, num_heads, head_dim]` and k/v `[T, num_kv_heads, head_dim]`."
-        if q.shape[1:] != (self.num_heads, self.head_dim) or k.shape[1:] != (self.num_kv_heads, self.head_dim):
-            raise ValueError(f"expected q [T, {self.num_heads}, {self.head_dim}] and k/v [T, {self.num_kv_heads}, "
-                             f"{self.head_dim}], got {tuple(q.shape)} and {tuple(k.shape)}")
-        has_cache = k_cache is not None and k_cache.numel() > 0
-        if has_cache:
-            store_kvcache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        if self.store is None:  # subtle: a layer used on its own, not a model's (notebook 07 chooses for those)
+            self.check_inputs(q, k)
+            self.choose(q.device, q.dtype, k_cache.shape[1] if k_cache is not None and k_cache.dim() == 4 else None)
+        if k_cache is not None and k_cache.numel() > 0:
+            self.store(k, v, k_cache, v_cache, metadata.slot_mapping)
         elif not metadata.is_prefill or metadata.block_tables is not None:
             raise ValueError("decode and prefill with a cached prefix read the KV cache, but no cache was given")
-        backend = self.backend or attention_backend(q, k_cache, metadata)
-        if backend == "flash":
-            out = paged_attention_flash(q, k, v, k_cache, v_cache, metadata, self.scale)
-        elif backend == "triton":  # notebook 06b; imported here, so that the CPU path never loads triton
-            from minivllm.triton_attention import paged_attention_triton
-            out = paged_attention_triton(q, k, v, k_cache, v_cache, metadata, self.scale)
-        elif backend == "cpu" and not metadata.is_prefill and q.dtype in CPU_DECODE_DTYPES:  # else SDPA, as 'sdpa'
-            out = paged_decode_attention_cpu(q, k_cache, v_cache, metadata, self.scale)
-        else:
-            attend = attention_reference if backend == "torch" else attention_sdpa
-            out = paged_attention_torch(q, k, v, k_cache, v_cache, metadata, self.scale, attend)
-        return out.reshape(len(q), self.num_heads * self.head_dim)
+        attend = self.prefill if metadata.is_prefill else self.decode
+        return attend(q, k, v, k_cache, v_cache, metadata, self.scale).reshape(len(q), self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"scale={self.scale:.4g}, backend={self.backend or 'auto'}")
 
-def set_attention_backend(model: nn.Module, backend: str | None, device: torch.device | str) -> None:
-    "Make every `Attention` layer of `model` use `backend` (ours or vLLM's name; None: automatic), checked to run on `device`."
+def set_attention_backend(model: nn.Module, backend: str | None, device: torch.device | str, dtype: torch.dtype,
+                          block_size: int | None = None) -> None:
+    "Make every `Attention` layer of `model` use `backend` (ours or vLLM's name; None: the fastest), checked to run on `device`, and bind it."
     backend = attention_backend_name(backend)
     if backend is not None:
         check_backend_runs(backend, device)
     for module in model.modules():
         if isinstance(module, Attention):
             module.backend = backend
-
+            module.choose(device, dtype, block_size)

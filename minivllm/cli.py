@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .logger import configure_logging
 
 # %% auto #0
 __all__ = ['DTYPES', 'USER_ERRORS', 'is_local_model', 'split_model_and_prompts', 'check_tokenizer', 'OneLineErrorParser',
@@ -449,7 +450,8 @@ def _worker_command(a: argparse.Namespace) -> int:
     if not 1 <= a.master_port <= 65535:
         raise ValueError(f"--master-port must be from 1 to 65535 (the engine prints it), got {a.master_port}")
     from minivllm.config import resolve_model
-    from minivllm.engine.model_runner import EngineArgs, ModelRunner
+    from minivllm.engine.args import EngineArgs
+    from minivllm.engine.model_runner import ModelRunner
     from minivllm.cluster.multinode import run_node
     from minivllm.cluster.wire import secret_from_env
     model = str(resolve_model(a.model)) if a.model is not None else None
@@ -474,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             args = make_parser().parse_args(argv)
         except SystemExit as e:  # --help, --version, or a usage error (already printed in one line)
             return e.code if isinstance(e.code, int) else 0
+        configure_logging()  # a program: the engine's notices on stderr, unless logging is configured (notebook 00a)
         commands = {"serve": _serve_command, "worker": _worker_command, "generate": _generate_command,
                     "bench": lambda a: a.run(a)}  # the benchmark's `run`, or its sub-command's
         return commands[args.command](args)

@@ -36,14 +36,15 @@ def time_decode_steps(model: str | Path | None, tensor_parallel_size: int = 1, b
     g = torch.Generator().manual_seed(seed)
     with LLM(model, tensor_parallel_size=tensor_parallel_size, dtype="float32", max_model_len=context + steps + 4,
              max_num_seqs=batch, max_num_batched_tokens=max(8192, batch * context), num_threads=num_threads) as llm:
-        vocab = llm.config.vocab_size
+        engine = llm.llm_engine
+        vocab = engine.config.vocab_size
         for _ in range(batch):
             llm.add_request(torch.randint(0, vocab, (context,), generator=g).tolist(),
                             SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
-        while llm.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in llm.scheduler.running):
+        while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
             llm.step()  # prefill
         if before_decode is not None: before_decode(llm)
-        runner, inside, walls = llm.runner, [], []
+        runner, inside, walls = engine.runner, [], []
         run = runner.run
         def timed_run(*args, **kwargs):
             start = time.perf_counter()
@@ -101,7 +102,7 @@ def time_in_a_crowd(comm, model: str | Path | None, batch: int = 16, context: in
     def start(llm):
         comm.barrier()
         if lockstep:  # subtle: after the prefill, so that only the decode steps meet, 2L + 2 times each
-            for module in meeting_points(llm.runner.model):
+            for module in meeting_points(llm.llm_engine.runner.model):
                 module.register_forward_hook(lambda *_: comm.barrier())
     return time_decode_steps(model, 1, batch, context, steps, num_threads=1, before_decode=start)
 

@@ -6,14 +6,16 @@
 from __future__ import annotations
 
 import itertools
+import os
 from array import array
 from dataclasses import dataclass
 
 import torch
 
 # %% auto #0
-__all__ = ['DECODE_GROUP_SIZE', 'allocate_kv_cache', 'kv_cache_bytes_per_block', 'slot_mapping', 'check_store_args',
-           'store_kvcache_torch', 'AttentionMetadata', 'padded_block_tables', 'prefill_metadata', 'decode_metadata',
+__all__ = ['DECODE_GROUP_SIZE', 'allocate_kv_cache', 'kv_cache_bytes_per_block', 'available_memory_bytes', 'cpu_kv_cache_budget',
+           'cuda_kv_cache_budget', 'blocks_for_budget', 'slot_mapping', 'check_store_args', 'store_kvcache_torch',
+           'AttentionMetadata', 'padded_block_tables', 'step_metadata', 'prefill_metadata', 'decode_metadata',
            'length_groups']
 
 # %% ../nbs/06_kv_cache.ipynb #6a3455bc
@@ -26,6 +28,35 @@ def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int
                              dtype: torch.dtype) -> int:
     "Bytes one block takes on one rank: keys and values of `block_size` tokens in every layer."
     return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+# %% ../nbs/06_kv_cache.ipynb #99bda7bb
+def available_memory_bytes() -> int:
+    "Memory the OS could give this process now (`MemAvailable` of /proc/meminfo, else free pages)."
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+def cpu_kv_cache_budget(kv_cache_memory: int | None, cpu_kv_cache_fraction: float, world_size: int) -> int:
+    "Bytes one of `world_size` ranks may give its KV-cache shard on CPU: its share of the explicit or fractional budget."
+    total = kv_cache_memory or int(cpu_kv_cache_fraction * available_memory_bytes())
+    return total // world_size
+
+def cuda_kv_cache_budget(gpu_memory_utilization: float, device: torch.device) -> int:
+    "Bytes left for the KV cache on this GPU after warm-up: the utilisation target minus use and activation peak."
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    stats = torch.cuda.memory_stats(device)
+    peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+    return int(total * gpu_memory_utilization - used - (peak - current))
+
+def blocks_for_budget(budget_bytes: int, bytes_per_block: int, max_useful_blocks: int) -> int:
+    "How many blocks fit in `budget_bytes` (at most `max_useful_blocks`; 0 if none)."
+    return max(0, min(budget_bytes // bytes_per_block, max_useful_blocks))
 
 # %% ../nbs/06_kv_cache.ipynb #a97944ee
 def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -50,9 +81,10 @@ def check_store_args(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 # %% ../nbs/06_kv_cache.ipynb #420b4df4
 def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        slot_mapping: torch.Tensor) -> None:
+                        slot_mapping: torch.Tensor, checked: bool = True) -> None:
     "Write token `i`'s key and value into slot `slot_mapping[i]` of the caches, skipping slots `< 0`; plain torch."
-    check_store_args(key, value, k_cache, v_cache, slot_mapping)
+    if checked:  # subtle: a model's attention layer passes False: its tensors are the ones the engine built
+        check_store_args(key, value, k_cache, v_cache, slot_mapping)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     # subtle: `view`, never `reshape`: a reshape may return a copy, and the write would vanish with it.
@@ -94,6 +126,29 @@ def _cumsum0(lengths: list[int], device) -> torch.Tensor:
     for n in lengths: out.append(out[-1] + n)
     return torch.tensor(out, dtype=torch.int32, device=device)
 
+def step_metadata(is_prefill: bool, slots: list[int], num_new_tokens: list[int], context_lens: list[int],
+                  block_tables: list[list[int]], device: torch.device | str = "cpu",
+                  group_size: int | None = None) -> AttentionMetadata:
+    "Metadata of a step as the scheduler describes it (notebook 08c): its tokens' slots; per sequence its new tokens, context length and block table."
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+    if is_prefill:
+        return AttentionMetadata(
+            is_prefill=True, slot_mapping=slot_mapping,
+            cu_seqlens_q=_cumsum0(num_new_tokens, device), cu_seqlens_k=_cumsum0(context_lens, device),
+            max_seqlen_q=max(num_new_tokens), max_seqlen_k=max(context_lens),
+            # subtle: the cache is read only where a sequence has tokens cached before this step's
+            block_tables=padded_block_tables(block_tables, device) if context_lens != num_new_tokens else None)
+    groups = None
+    if group_size is not None and len(context_lens) > group_size:  # see "Decode in groups of similar length"
+        groups = [(torch.tensor(rows, dtype=torch.int64, device=device),
+                   padded_block_tables([block_tables[r] for r in rows], device),
+                   torch.tensor([context_lens[r] for r in rows], dtype=torch.int32, device=device))
+                  for rows in length_groups(context_lens, group_size)]
+    return AttentionMetadata(
+        is_prefill=False, slot_mapping=slot_mapping,
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        block_tables=padded_block_tables(block_tables, device), decode_groups=groups)
+
 def prefill_metadata(block_tables: list[list[int]], num_cached_tokens: list[int], num_new_tokens: list[int],
                      block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
     "Metadata of a prefill batch: per sequence its block table, tokens already cached, and new tokens."
@@ -107,13 +162,8 @@ def prefill_metadata(block_tables: list[list[int]], num_cached_tokens: list[int]
             raise ValueError("a sequence with cached tokens needs the block table that holds them")
         # subtle: a sequence without blocks (a warm-up run) stores nothing: slot -1.
         slots += slot_mapping(table, cached, cached + new, block_size) if table else [-1] * new
-    seqlens_k = [c + n for c, n in zip(num_cached_tokens, num_new_tokens)]
-    return AttentionMetadata(
-        is_prefill=True,
-        cu_seqlens_q=_cumsum0(num_new_tokens, device), cu_seqlens_k=_cumsum0(seqlens_k, device),
-        max_seqlen_q=max(num_new_tokens), max_seqlen_k=max(seqlens_k),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=padded_block_tables(block_tables, device) if any(num_cached_tokens) else None)
+    context_lens = [c + n for c, n in zip(num_cached_tokens, num_new_tokens)]
+    return step_metadata(True, slots, num_new_tokens, context_lens, block_tables, device)
 
 DECODE_GROUP_SIZE = 16  # decode attention runs on at most this many sequences at once (None: the whole batch)
 
@@ -124,21 +174,11 @@ def decode_metadata(block_tables: list[list[int]], context_lens: list[int], bloc
         raise ValueError("decode_metadata needs one block table and one context length per sequence")
     if min(context_lens) < 1:
         raise ValueError(f"every context length counts the new token, so it is at least 1, got {context_lens}")
-    # the new token is the last one, at position context_len - 1
-    slots = [slot_mapping(table, n - 1, n, block_size)[0] for table, n in zip(block_tables, context_lens)]
     if group_size is not None and not (isinstance(group_size, int) and group_size > 0):
         raise ValueError(f"group_size must be a positive integer or None (the whole batch at once), got {group_size!r}")
-    groups = None
-    if group_size is not None and len(context_lens) > group_size:  # see "Decode in groups of similar length"
-        groups = [(torch.tensor(rows, dtype=torch.int64, device=device),
-                   padded_block_tables([block_tables[r] for r in rows], device),
-                   torch.tensor([context_lens[r] for r in rows], dtype=torch.int32, device=device))
-                  for rows in length_groups(context_lens, group_size)]
-    return AttentionMetadata(
-        is_prefill=False,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        block_tables=padded_block_tables(block_tables, device), decode_groups=groups)
+    # the new token is the last one, at position context_len - 1
+    slots = [slot_mapping(table, n - 1, n, block_size)[0] for table, n in zip(block_tables, context_lens)]
+    return step_metadata(False, slots, [1] * len(context_lens), context_lens, block_tables, device, group_size)
 
 def length_groups(lengths: list[int], group_size: int) -> list[list[int]]:
     "The row numbers sorted by length, cut into groups of at most `group_size` rows."

@@ -5,255 +5,22 @@
 # %% ../nbs/13_llm.ipynb #3989ce54
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-from operator import itemgetter
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence as Seq
+from typing import Iterable, Iterator, Sequence as Seq
 
-import transformers
 from tqdm.auto import tqdm
 
 from fastcore.basics import patch
 
-from .config import check_text, check_token_ids, has_tokenizer, is_int
-from .engine.llm_engine import LLMEngine, check_params_for_vocab
-from .engine.model_runner import EngineArgs, ModelRunner
-from .engine.scheduler import Scheduler
-from .sampling_params import SamplingParams
+from .engine.llm_engine import LLMEngine
 from .engine.sequence import Sequence
-from .sampling_params import ParamError
-
-if TYPE_CHECKING:  # the channels' types, for the annotations only: the ranks are notebook 11a's business
-    from minivllm.engine.ipc import ShmCommandChannel
-    from minivllm.engine.launch import Ranks
-    from minivllm.cluster import GlooCommandChannel
+from .logger import configure_logging
+from .outputs import (Request, RequestOutput, check_params_for_tokenizer, encode_prompt, load_tokenizer,
+                              sequence_delta)
+from .sampling_params import ParamError, SamplingParams
 
 # %% auto #0
-__all__ = ['CompletionOutput', 'RequestOutput', 'load_tokenizer', 'IncrementalDetokenizer', 'StopStrings', 'CompletionText',
-           'Request', 'LLM', 'encode_prompt', 'check_params_for_model']
-
-# %% ../nbs/13_llm.ipynb #23843fa7
-@dataclass
-class CompletionOutput:
-    "One completion of a prompt (`n` of them): whole, or in a streamed delta only what is new."
-    index: int  # which of the prompt's n completions
-    text: str | None  # decoded, cut before a stop string (None when the model has no tokenizer)
-    token_ids: list[int]
-    finish_reason: str | None  # None while it runs; "stop" (EOS, a stop token or string), "length", "abort"
-    logprobs: list[dict[int, float]] | None = None  # per token, when asked: {token id: log-probability}
-
-@dataclass
-class RequestOutput:
-    "What the engine gives back for one prompt: its completions, whole (`generate`) or what is new (`stream`)."
-    request_id: str
-    prompt: str | None  # the prompt as given (None when given as token ids)
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool  # every completion of the prompt has finished
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    time: float = 0.0  # time.perf_counter() when the engine produced this output
-    # per prompt token, when prompt_logprobs are asked: {token id: log-probability} given the tokens before it
-    # (None for the first); in a stream, with the first delta
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-
-    # the first completion's fields, for the usual n = 1
-    @property
-    def text(self) -> str | None: return self.outputs[0].text
-    @property
-    def token_ids(self) -> list[int]: return self.outputs[0].token_ids
-    @property
-    def finish_reason(self) -> str | None: return self.outputs[0].finish_reason
-
-    def __repr__(self) -> str:
-        shown = self.text if self.text is not None else self.token_ids
-        more = f", {len(self.outputs)} completions" if len(self.outputs) > 1 else ""
-        return f"RequestOutput({shown!r}, finish_reason={self.finish_reason!r}, {len(self.token_ids)} tokens{more})"
-
-# %% ../nbs/13_llm.ipynb #dee4a972
-def load_tokenizer(path: Path):
-    "The checkpoint's tokenizer, or None if the folder has none (random test checkpoints)."
-    if not has_tokenizer(path):
-        return None
-    try:
-        return transformers.AutoTokenizer.from_pretrained(path)
-    except (ValueError, ImportError, OSError) as e:  # transformers speaks of sentencepiece and tiktoken here
-        if not (path / "tokenizer.json").exists():
-            raise ValueError(f"cannot load the tokenizer of {path}: it has no tokenizer.json; copy the checkpoint's "
-                             "tokenizer.json into that folder") from None
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"cannot load the tokenizer of {path} ({reason}): check its tokenizer.json and "
-                         "tokenizer_config.json") from None
-
-# %% ../nbs/13_llm.ipynb #f7f8de9d
-class IncrementalDetokenizer:
-    "The text of a growing list of token ids, a new piece per call, decoding only the last few tokens."
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
-        self.tokenizer, self.token_ids, self.skip_special_tokens = tokenizer, [], skip_special_tokens
-        self.prefix = self.read = 0  # ids[prefix:read] were decoded last time; ids[read:] are new
-
-    def _decode(self, ids: list[int]) -> str: return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def add(self, token_ids: list[int]) -> str:
-        "The text that `token_ids` add (possibly empty: a character still incomplete)."
-        self.token_ids.extend(token_ids)
-        before, now = self._decode(self.token_ids[self.prefix:self.read]), self._decode(self.token_ids[self.prefix:])
-        if len(now) <= len(before) or now.endswith("\ufffd"):
-            return ""
-        self.prefix, self.read = self.read, len(self.token_ids)
-        return now[len(before):]
-
-    def flush(self) -> str:
-        "What is still held back (an incomplete character at the very end): the completion has finished."
-        rest = self._decode(self.token_ids[self.prefix:])[len(self._decode(self.token_ids[self.prefix:self.read])):]
-        self.prefix = self.read = len(self.token_ids)
-        return rest
-
-# %% ../nbs/13_llm.ipynb #a8b30c54
-class StopStrings:
-    "A request's stop strings, filed once by their last characters: the first one in new text, in time that does not grow with their number."
-    depth = 4  # the last characters a stop string is filed under (all of it, if shorter)
-
-    def __init__(self, stop: Iterable[str] = ()):
-        self.stop = tuple(stop)
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop strings are non-empty strings, got {self.stop!r}")
-        self.strings, self.longest = frozenset(self.stop), max(map(len, self.stop), default=0)
-        self.ends: dict[str, tuple[int, ...]] = {}  # last `depth` characters -> the lengths of the stop strings so ending
-        same: dict[tuple[int, ...], tuple[int, ...]] = {}
-        by_length = sorted(self.strings, key=len)  # shortest first: each ending's lengths come in order
-        for end, n in zip(map(itemgetter(slice(-self.depth, None)), by_length), map(len, by_length)):
-            if not (has := self.ends.get(end, ())) or has[-1] != n:
-                # subtle: one tuple per list of lengths, not one per ending: fewer objects for the garbage collector
-                self.ends[end] = same.setdefault(has + (n,), has + (n,))
-        self.sizes = sorted({min(n, self.depth) for n in set(map(len, self.strings))})  # the lengths of the endings filed
-
-    def __len__(self) -> int: return len(self.stop)
-
-    def first(self, text: str, start: int, checked: int) -> tuple[int, int] | None:
-        "`(where, length)` of the first stop string in `text[start:]` that ends past `text[:checked]` (of two at one place, the shorter); None if none."
-        ends, strings, best = self.ends, self.strings, None
-        for end in range(max(start, checked) + 1, len(text) + 1):
-            if best is not None and end - self.longest > best[0]:  # subtle: none ending here or later begins before best
-                break
-            for k in self.sizes:  # the text's last k characters, for each length of ending filed
-                if end - k < start:
-                    break
-                for n in ends.get(text[end - k:end], ()):  # ascending: the shorter first
-                    if end - n < start:
-                        break
-                    # subtle: a stop string of k characters is its own ending; a longer one is checked against the set
-                    if (n == k or text[end - n:end] in strings) and (best is None or (end - n, n) < best):
-                        best = end - n, n
-        return best
-
-# %% ../nbs/13_llm.ipynb #2d536ce4
-class CompletionText:
-    "A completion's text as its tokens come: decoded piece by piece, cut before the first stop string (or after it, `include_stop`)."
-    def __init__(self, tokenizer, stop: StopStrings | Iterable[str] = (), include_stop: bool = False,
-                 skip_special_tokens: bool = True):
-        self.detokenizer, self.text = IncrementalDetokenizer(tokenizer, skip_special_tokens), ""
-        self.stop = stop if isinstance(stop, StopStrings) else StopStrings(stop)  # a request's completions share one
-        self.include_stop = include_stop
-        self.hold = max(self.stop.longest, 1) - 1  # characters that might begin a stop string
-        self.checked = 0  # the stop strings that end in text[:checked] have been looked for
-        self.stopped = False  # a stop string was found
-
-    def add(self, token_ids: list[int], finished: bool = False, look: bool = True) -> bool:
-        "Add new tokens (and, `finished`, flush the rest); True once a stop string has ended the text (sought if `look`)."
-        if self.stopped:
-            return True
-        start = max(0, len(self.text) - self.hold)  # subtle: a stop string may begin in the text held back
-        self.text += self.detokenizer.add(token_ids) + (self.detokenizer.flush() if finished else "")
-        if look and self.stop:
-            # subtle: only the end positions past `checked`; while `look` was False (min_tokens) none were looked at
-            found, self.checked = self.stop.first(self.text, start, self.checked), len(self.text)
-            if found is not None:
-                at, length = found
-                self.text, self.stopped = self.text[:at + length * self.include_stop], True
-        return self.stopped
-
-    def ready(self, finished: bool) -> int:
-        "How much of the text can be given out: all once finished, else all but what might begin a stop string."
-        return len(self.text) if finished or self.stopped else max(0, len(self.text) - self.hold)
-
-# %% ../nbs/13_llm.ipynb #b71292bb
-class Request:
-    "One prompt's request: its `n` sequences, their text as it comes, and what a stream has already been given."
-    def __init__(self, request_id: str, prompt_text: str | None, seqs: list[Sequence], tokenizer, stream: bool):
-        self.request_id, self.prompt_text, self.seqs = request_id, prompt_text, seqs
-        self.tokenizer, self.stream = tokenizer, stream
-        params = seqs[0].sampling_params
-        # subtle: text is followed token by token only when a stream or a stop string needs it; generate() of
-        # plain requests decodes each completion once, at the end (the pieces add up to the same text)
-        follow = tokenizer is not None and (stream or bool(params.stop))
-        stop = StopStrings(params.stop) if follow else None  # indexed once, for all n completions
-        self.texts = [CompletionText(tokenizer, stop, params.include_stop_str_in_output, params.skip_special_tokens)
-                      if follow else None for _ in seqs]
-        self.seen = [0] * len(seqs)  # per sequence: completion tokens already added to its text
-        self.sent_tokens, self.sent_chars = [0] * len(seqs), [0] * len(seqs)
-        self.sent_finish = [False] * len(seqs)
-        self.sent_prompt_logprobs = False
-
-    @property
-    def is_finished(self) -> bool: return all(s.is_finished for s in self.seqs)
-
-    def update(self, i: int) -> bool:
-        "Follow sequence i's new tokens; True if a stop string has just ended it (the engine then stops it)."
-        seq, text = self.seqs[i], self.texts[i]
-        if text is None or text.stopped:  # nothing to follow: generate() decodes the completion once, at the end
-            return False
-        new = seq.token_ids[seq.num_prompt_tokens + self.seen[i]:]
-        self.seen[i] += len(new)
-        # as vLLM: no stop string ends a completion before its min_tokens
-        return text.add(new, finished=seq.is_finished, look=seq.num_completion_tokens >= seq.sampling_params.min_tokens)
-
-    def _finish_reason(self, i: int) -> str | None:
-        seq, text = self.seqs[i], self.texts[i]
-        return "stop" if text is not None and text.stopped and seq.finish_reason != "abort" else seq.finish_reason
-
-    def _completion(self, i: int, first_token: int, first_char: int) -> CompletionOutput:
-        seq, text = self.seqs[i], self.texts[i]
-        done = seq.is_finished
-        if text is not None:
-            shown = text.text[first_char:text.ready(done)]
-        elif self.tokenizer is not None:
-            shown = (self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=seq.sampling_params.skip_special_tokens)
-                     if done else "")
-        else:
-            shown = None
-        logprobs = seq.logprobs[first_token:] if seq.logprobs is not None else None
-        return CompletionOutput(i, shown, seq.completion_token_ids[first_token:], self._finish_reason(i) if done else None,
-                                logprobs)
-
-    def output(self) -> RequestOutput:
-        "Everything so far: every completion whole."
-        return RequestOutput(self.request_id, self.prompt_text, self.seqs[0].prompt_token_ids,
-                             [self._completion(i, 0, 0) for i in range(len(self.seqs))], self.is_finished,
-                             self.seqs[0].num_cached_tokens, time.perf_counter(), self._prompt_logprobs())
-
-    def _prompt_logprobs(self) -> list[dict[int, float] | None] | None:
-        "The prompt's log-probabilities once all computed (the first sample computes them), else None."
-        record = self.seqs[0].prompt_logprobs
-        return list(record) if record is not None and len(record) == self.seqs[0].num_prompt_tokens else None
-
-    def delta(self) -> RequestOutput | None:
-        "What is new since the last delta: the completions with new text, tokens or an end (None if nothing)."
-        news = []
-        for i, seq in enumerate(self.seqs):
-            c = self._completion(i, self.sent_tokens[i], self.sent_chars[i])
-            ended = seq.is_finished and not self.sent_finish[i]
-            if c.token_ids or c.text or ended:
-                self.sent_tokens[i] += len(c.token_ids)
-                self.sent_chars[i] += len(c.text or "")
-                self.sent_finish[i] = seq.is_finished
-                news.append(c)
-        if not news:
-            return None
-        prompt_logprobs = None if self.sent_prompt_logprobs else self._prompt_logprobs()
-        self.sent_prompt_logprobs |= prompt_logprobs is not None
-        return RequestOutput(self.request_id, self.prompt_text, self.seqs[0].prompt_token_ids, news, self.is_finished,
-                             self.seqs[0].num_cached_tokens, time.perf_counter(), prompt_logprobs)
+__all__ = ['LLM']
 
 # %% ../nbs/13_llm.ipynb #2c587a97
 class LLM:
@@ -262,70 +29,32 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  kvcache_block_size: int = 16, enforce_eager: bool = False, seed: int = 0, skip_tokenizer_init: bool = False,
                  **engine_kwargs):
-        self.engine = LLMEngine(model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, max_model_len=max_model_len,
-                                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                kvcache_block_size=kvcache_block_size, enforce_eager=enforce_eager, seed=seed,
-                                **engine_kwargs)
+        configure_logging()  # the engine's notices on stderr, unless this program configured logging (notebook 00a)
+        self.llm_engine = LLMEngine(model, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+                                    max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                    max_num_batched_tokens=max_num_batched_tokens, kvcache_block_size=kvcache_block_size,
+                                    enforce_eager=enforce_eager, seed=seed, **engine_kwargs)
         try:  # skip_tokenizer_init: prompts and outputs are token ids only
-            self.tokenizer = None if skip_tokenizer_init else load_tokenizer(Path(self.args.model))
+            self.tokenizer = None if skip_tokenizer_init else load_tokenizer(Path(self.llm_engine.args.model))
         except BaseException:
             self.close()
             raise
         self._requests: dict[int, tuple[Request, int]] = {}  # live sequence id -> (its request, its index there)
-
-    # the engine's parts, by their names (notebook 11b)
-    @property
-    def config(self): return self.engine.config
-    @property
-    def args(self) -> EngineArgs: return self.engine.args
-    @property
-    def scheduler(self) -> Scheduler: return self.engine.scheduler
-    @property
-    def ranks(self) -> Ranks: return self.engine.ranks
-    @property
-    def runner(self) -> ModelRunner: return self.engine.runner
-    @property
-    def channel(self) -> ShmCommandChannel | None: return self.engine.channel
-    @property
-    def remote(self) -> GlooCommandChannel | None: return self.engine.remote
-    @property
-    def closed(self) -> bool: return self.engine.closed
+        self._seqs: dict[Request, list[Sequence]] = {}  # live request -> its sequences in the engine
 
     def close(self) -> None:
         "Stop the worker processes, free the shared memory and leave the process group. Idempotent."
-        self.engine.close()
+        self.llm_engine.close()
 
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else f"{self.runner.num_blocks} KV blocks of {self.args.kvcache_block_size} tokens"
-        return f"LLM({str(self.args.model)!r}, tensor_parallel_size={self.args.tensor_parallel_size}, {state})"
+        engine, args = self.llm_engine, self.llm_engine.args
+        state = "closed" if engine.closed else f"{engine.runner.num_blocks} KV blocks of {args.kvcache_block_size} tokens"
+        return f"LLM({str(args.model)!r}, tensor_parallel_size={args.tensor_parallel_size}, {state})"
 
 # %% ../nbs/13_llm.ipynb #33969779
-def encode_prompt(prompt, tokenizer, vocab_size: int, model) -> tuple[str | None, list[int]]:
-    "`(text, token_ids)` of a prompt given as a string, as token ids (a list, a NumPy array, a tensor), or as vLLM's dict of either."
-    if isinstance(prompt, dict):  # vLLM's TextPrompt {"prompt": ...} and TokensPrompt {"prompt_token_ids": ...}
-        if sorted(prompt) not in (["prompt"], ["prompt_token_ids"]):
-            raise ValueError(f"a prompt given as a dict holds one of 'prompt' (text) or 'prompt_token_ids', got keys "
-                             f"{sorted(prompt)}")
-        prompt = prompt[next(iter(prompt))]
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError(f"{model} has no tokenizer: pass prompts as lists of token ids")
-        return prompt, tokenizer.encode(check_text(prompt))
-    if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):  # a NumPy array or a torch tensor
-        prompt = prompt.tolist()
-    if is_int(prompt) or not hasattr(prompt, "__iter__"):
-        raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__} {prompt!r}")
-    return None, check_token_ids(prompt, vocab_size)  # NumPy and torch ints become Python ints
-
-def check_params_for_model(params: SamplingParams, tokenizer, vocab_size: int, model) -> None:
-    "`ValueError` if `params` ask for what this model cannot give: stop strings without a tokenizer, a bias past the vocabulary."
-    if params.stop and tokenizer is None:
-        raise ValueError(f"stop strings need a tokenizer, and {model} has none: use stop_token_ids")
-    check_params_for_vocab(params, vocab_size)  # the engine's own check (notebook 11b)
-
 @patch
 def get_tokenizer(self: LLM):
     "The model's tokenizer (transformers'), as vLLM's `LLM.get_tokenizer()`; None for a model without one."
@@ -334,46 +63,62 @@ def get_tokenizer(self: LLM):
 @patch
 def _prompt_ids(self: LLM, prompt) -> tuple[str | None, list[int]]:
     "`(text, token_ids)` of a prompt, by this engine's tokenizer and vocabulary (`encode_prompt`)."
-    return encode_prompt(prompt, self.tokenizer, self.config.vocab_size, self.args.model)
+    return encode_prompt(prompt, self.tokenizer, self.llm_engine.config.vocab_size, self.llm_engine.args.model)
 
 @patch
 def add_request(self: LLM, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                 request_id: str | None = None, stream: bool = False, must_fit: bool = False) -> Request:
     "Queue one request (its `n` sequences); its `Request`. `ValueError` (and nothing queued) if the request is bad; `must_fit`: see `Scheduler.add`."
-    if self.closed:
+    if self.llm_engine.closed:
         raise RuntimeError("this LLM is closed: create a new one to add requests")
     text, ids = self._prompt_ids(prompt)
-    seqs = self.engine.add(ids, sampling_params, must_fit=must_fit)  # checks its parameters, length and room
+    seqs = self.llm_engine.add(ids, sampling_params, must_fit=must_fit)  # checks its parameters, length and room
+    params = seqs[0].sampling_params
     try:
-        check_params_for_model(seqs[0].sampling_params, self.tokenizer, self.config.vocab_size, self.args.model)
+        check_params_for_tokenizer(params, self.tokenizer, self.llm_engine.args.model)
     except BaseException:
-        self.engine.abort(seqs)
+        self.llm_engine.abort(seqs)
         raise
-    request = Request(request_id if request_id is not None else str(seqs[0].seq_id), text, seqs, self.tokenizer, stream)
+    request = Request(request_id if request_id is not None else str(seqs[0].seq_id), text, seqs[0].prompt_token_ids,
+                      params, self.tokenizer, stream)
     self._requests.update({seq.seq_id: (request, i) for i, seq in enumerate(seqs)})
+    self._seqs[request] = seqs
     return request
+
+@patch
+def _feed(self: LLM, seq: Sequence) -> bool:
+    "Hand a live sequence's news to its request (`sequence_delta`); True if a stop string has just ended it."
+    request, i = self._requests[seq.seq_id]
+    return request.add(sequence_delta(seq, request.request_id, i, len(request.token_ids[i])))
 
 @patch
 def abort_request(self: LLM, request: Request, index: int | None = None, reason: str = "abort") -> None:
     "Stop a request now, wherever it is (or only its completion `index`): its sequences finish with `reason`, their blocks free."
-    seqs = request.seqs if index is None else request.seqs[index:index + 1]
-    self.engine.abort(seqs, reason)
+    seqs = self._seqs.get(request, [])  # none once it has finished
+    seqs = seqs if index is None else seqs[index:index + 1]
+    self.llm_engine.abort(seqs, reason)
     for seq in seqs:
-        self._requests.pop(seq.seq_id, None)
+        if seq.seq_id in self._requests:
+            self._feed(seq)  # its last tokens, and its end
+            del self._requests[seq.seq_id]
+    if request.is_finished:
+        self._seqs.pop(request, None)
 
 # %% ../nbs/13_llm.ipynb #f6add91c
 @patch
 def step(self: LLM) -> tuple[list[Sequence], dict]:
-    "One engine step, then the text of its new tokens and the stop strings; the sequences it finished, and its stats."
-    finished, stats = self.engine.step()
-    for seq in stats["sampled"]:  # the text of each new token, and the stop strings
-        if seq.seq_id in self._requests:
-            request, i = self._requests[seq.seq_id]
-            if request.update(i) and not seq.is_finished:
-                self.engine.abort([seq], "stop")
-                finished.append(seq)
+    "One engine step, then each request's news (its new tokens' text, its stop strings); the sequences it finished, and its stats."
+    finished, stats = self.llm_engine.step()
+    for seq in stats["sampled"] + finished:  # a finished sequence may come twice: its request drops the second
+        entry = self._requests.get(seq.seq_id)
+        # subtle: a request with neither a stream nor stop strings takes each completion whole, at its end; a delta
+        # per sequence and step would cost a generate() call's every step for nothing
+        if entry is not None and (entry[0].wants_every_delta or seq.is_finished) and self._feed(seq):
+            self.llm_engine.abort([seq], "stop")  # a stop string ended its text here
+            finished.append(seq)
     for seq in finished:
-        self._requests.pop(seq.seq_id, None)
+        if (entry := self._requests.pop(seq.seq_id, None)) is not None and entry[0].is_finished:
+            self._seqs.pop(entry[0], None)
     return finished, stats
 
 # %% ../nbs/13_llm.ipynb #859dbf4e
@@ -454,7 +199,7 @@ def stream(self: LLM, prompts, sampling_params: SamplingParams | Iterable[Sampli
 def apply_chat_template(self: LLM, messages: list[dict], add_generation_prompt: bool = True) -> str:
     "The prompt text for a conversation `[{'role': ..., 'content': ...}, ...]`, by the tokenizer's chat template."
     if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-        raise ValueError(f"{self.args.model} has no chat template: use generate() with prompts in the form the model "
+        raise ValueError(f"{self.llm_engine.args.model} has no chat template: use generate() with prompts in the form the model "
                          "was trained on")
     return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 

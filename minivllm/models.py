@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 from .config import Config
-from .attention import Attention
+from .attention import Attention, set_attention_backend
 from .kv_cache import AttentionMetadata
 from .distributed import Communicator
-from .layers.common import RMSNorm, SiluAndMul, get_rope
+from .layers.common import RMSNorm, RotaryEmbedding, SiluAndMul, get_rope
 from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from .layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from .cpu import cpu_gemm_setting
+from .cpu import cpu_gemm_setting, layer_ops_for
 
 # %% auto #0
 __all__ = ['DecoderAttention', 'DecoderMLP', 'DecoderLayer', 'DecoderModel', 'CausalLM', 'checkpoint_files',
@@ -129,6 +129,16 @@ class CausalLM(nn.Module):
     def greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         "The most likely next token of each row, on rank 0 (None on other ranks)."
         return self.lm_head.greedy_tokens(hidden_states)
+
+    def choose_implementations(self, device: torch.device | str, attention_backend: str | None = None,
+                               block_size: int | None = None) -> None:
+        "Bind every layer's implementation once, for this model's dtype on `device`: the C++ operators where they run (notebook 04a), the attention backend (notebook 06a)."
+        # subtle: chosen here, when the model is built, so that no layer asks at each call which code to run
+        ops = layer_ops_for(device, self.config.dtype)
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding, ParallelLMHead)):
+                module.use_kernels(ops)
+        set_attention_backend(self, attention_backend, device, self.config.dtype, block_size)
 
     def pack_for_cpu(self, gemm: str | None = None) -> int:
         "Pack every linear layer and the LM head for the CPU GEMM measured fastest, or `gemm` (notebooks 03, 04); how many were."
@@ -275,7 +285,9 @@ class _construction_defaults:
 def build_model(config: Config, device: torch.device | str = "cpu", comm: Communicator | None = None) -> CausalLM:
     "An uninitialised `CausalLM` for `config` (this rank's shards, by `comm`), in `config.dtype` on `device`."
     with _construction_defaults(config.dtype, device):
-        return CausalLM(config, comm)
+        model = CausalLM(config, comm)
+    model.choose_implementations(device)
+    return model
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None, device: torch.device | str = "cpu",
                comm: Communicator | None = None) -> CausalLM:

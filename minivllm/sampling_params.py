@@ -135,6 +135,6 @@ class SamplingParams:
     def needs_logits(self) -> bool:
         "Whether sampling needs the whole logits row even when greedy: penalties change it, logprobs report it."
         # subtle: min_p never removes the most likely token, so it leaves greedy alone; min_tokens changes greedy only
-        # while the request is short of it, which the step decides (notebook 11's StepInputs.from_batch)
+        # while the request is short of it, which the step decides (notebook 09's ScheduledBatch.step_inputs)
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
                 or self.logprobs is not None or self.logit_bias is not None)

@@ -6,14 +6,22 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import importlib.util
 import math
 import os
 from typing import NamedTuple
 
 import torch
 
-from .attention import HAS_TRITON, TRITON_RUNS_ON_CPU
 from .kv_cache import AttentionMetadata, check_store_args
+
+# subtle: whether triton is there, asked without importing it: this module loads without it (notebook 06a imports
+# it only on a GPU, or when Triton is asked for), and the kernels below are defined only where it is
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Triton's interpreter runs kernels on CPU tensors only from triton 3.2 on; the interpreter of triton 3.0 and 3.1
+# (which torch 2.4 and 2.5 pin) copies CPU tensors in and never writes them back, a silent no-op
+TRITON_RUNS_ON_CPU = HAS_TRITON and tuple(int(n) for n in importlib.metadata.version("triton").split(".")[:2]) >= (3, 2)
 
 if HAS_TRITON:
     import triton
@@ -23,9 +31,10 @@ if HAS_TRITON:
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # %% auto #0
-__all__ = ['INTERPRETED', 'LOG2E', 'DECODE_SPLITS', 'TRITON_DTYPES', 'REGISTERS_PER_SM', 'REGISTER_UNIT', 'MAX_WARPS_PER_SM',
-           'MAX_BLOCKS_PER_SM', 'SHARED_PER_SM', 'SHARED_RESERVED_PER_BLOCK', 'store_kvcache_triton', 'TritonTiles',
-           'triton_tiles', 'decode_splits', 'paged_attention_triton', 'blocks_per_sm']
+__all__ = ['HAS_TRITON', 'TRITON_RUNS_ON_CPU', 'INTERPRETED', 'LOG2E', 'DECODE_SPLITS', 'TRITON_DTYPES', 'REGISTERS_PER_SM',
+           'REGISTER_UNIT', 'MAX_WARPS_PER_SM', 'MAX_BLOCKS_PER_SM', 'SHARED_PER_SM', 'SHARED_RESERVED_PER_BLOCK',
+           'store_kvcache_triton', 'TritonTiles', 'triton_tiles', 'decode_splits', 'paged_attention_triton',
+           'blocks_per_sm']
 
 # %% ../nbs/06b_triton_attention.ipynb #a92c21a7
 if HAS_TRITON:

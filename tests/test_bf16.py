@@ -77,7 +77,7 @@ def check_divergences_are_near_ties(hf, ours, theirs, ulps: float):
 def test_greedy_bf16_follows_transformers_bf16_and_minivllm_f32(ckpt, hf_bf16, tp, capsys):
     hf, theirs = hf_bf16
     with LLM(ckpt, tensor_parallel_size=tp, dtype="bfloat16", max_model_len=64, kvcache_block_size=8) as llm:
-        assert llm.runner.config.dtype == torch.bfloat16 and llm.runner.kv_cache.dtype == torch.bfloat16
+        assert llm.llm_engine.runner.config.dtype == torch.bfloat16 and llm.llm_engine.runner.kv_cache.dtype == torch.bfloat16
         ours = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     with LLM(ckpt, tensor_parallel_size=tp, dtype="float32", max_model_len=64, kvcache_block_size=8) as llm:
         f32 = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
@@ -161,7 +161,7 @@ def test_decode_kernel_on_a_bf16_cache(head_dim):
     md = decode_metadata(tables, lengths, bs)
     md.context_lens[0] = 0  # a padding row (CUDA-graph style): zeros
     q, k, v = (torch.randn(*s, generator=g).bfloat16() for s in ((B, H, head_dim), (nb, bs, KVH, head_dim), (nb, bs, KVH, head_dim)))
-    assert attention_backend(q, k, md) == "cpu"
+    assert attention_backend("cpu", q.dtype, head_dim, is_prefill=False) == "cpu"
     out = paged_decode_attention_cpu(q, k, v, md, head_dim ** -0.5)
     assert out.dtype == torch.bfloat16
     rows = slice(1, None)

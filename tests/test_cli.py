@@ -19,8 +19,8 @@ import pytest
 from minivllm import __version__
 from minivllm.cli import main, make_parser
 from minivllm.config import DEFAULT_MODEL
-from minivllm.testing import (ServerProcess, default_sigint, gone, make_tiny_checkpoint,
-                              rank_processes, wait_until)
+from minivllm.bench.workload import ServerProcess, default_sigint
+from minivllm.testing import gone, make_tiny_checkpoint, rank_processes, wait_until
 
 OPTIONS = ("--model", "--tensor-parallel-size", "--max-tokens", "--temperature", "--top-k", "--top-p", "--seed",
            "--ignore-eos", "--dtype", "--max-model-len", "--num-threads", "--chat", "--quiet", "--nnodes", "--master-addr",

@@ -7,6 +7,12 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.config import Config
 from minivllm.engine.cuda_graphs import DecodeBuffers, graph_batch_sizes, pick_graph_batch_size, run_padded
+from minivllm.engine.step import StepInputs
+
+
+def decode_step(input_ids, context_lens, block_tables, block_size):
+    "A decode step's message (notebook 08c): each sequence's one new token, at position context_len - 1."
+    return StepInputs.build(False, [[t] for t in input_ids], [n - 1 for n in context_lens], block_tables, block_size)
 from minivllm.kv_cache import allocate_kv_cache, decode_metadata, prefill_metadata
 from minivllm.models import load_model
 from minivllm.testing import make_tiny_checkpoint
@@ -59,8 +65,8 @@ def test_padded_static_buffers_match_eager_decode(tiny_model, batch):
     sizes = graph_batch_sizes(16)
     bucket = pick_graph_batch_size(batch, sizes)
     buf = DecodeBuffers(sizes[-1], max_blocks=max(map(len, tables)) + 1)
-    buf.fill([7] * 16, [3] * 16, [[0]] * 16, bs, 16)  # a stale, larger step first
-    buf.fill(new_ids, ctx, tables, bs, bucket)
+    buf.fill(decode_step([7] * 16, [3] * 16, [[0]] * 16, bs), 16)  # a stale, larger step first
+    buf.fill(decode_step(new_ids, ctx, tables, bs), bucket)
     with torch.no_grad():
         padded = run_padded(model, buf, padded_cache, bucket)
     torch.testing.assert_close(padded[:batch], eager, **F32)
@@ -71,9 +77,9 @@ def test_padded_static_buffers_match_eager_decode(tiny_model, batch):
 def test_buffers_reject_what_they_cannot_hold():
     buf = DecodeBuffers(4, max_blocks=2)
     with pytest.raises(ValueError, match="bucket"):
-        buf.fill([1] * 5, [2] * 5, [[0]] * 5, 4, 4)
+        buf.fill(decode_step([1] * 5, [2] * 5, [[0]] * 5, 4), 4)
     with pytest.raises(ValueError, match="longer than the 2 blocks"):
-        buf.fill([1], [9], [[0, 1, 2]], 4, 1)
+        buf.fill(decode_step([1], [9], [[0, 1, 2]], 4), 1)
 
 
 def test_enforce_eager_on_and_off_give_identical_outputs(tmp_path):
@@ -86,7 +92,7 @@ def test_enforce_eager_on_and_off_give_identical_outputs(tmp_path):
     outs = []
     for eager in (True, False):
         with LLM(path, max_model_len=64, enforce_eager=eager) as llm:
-            assert llm.runner.graphs is None or not eager
+            assert llm.llm_engine.runner.graphs is None or not eager
             outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert outs[0] == outs[1]
 
@@ -118,7 +124,7 @@ def test_graph_replay_gives_eager_tokens_on_cuda(tmp_path, shape):
     outs = []
     for eager in (True, False):
         with LLM(path, max_model_len=512, max_num_seqs=16, enforce_eager=eager, gpu_memory_utilization=0.5) as llm:
-            assert (llm.runner.graphs is None) == eager
+            assert (llm.llm_engine.runner.graphs is None) == eager
             outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     agree = sum(a == b for x, y in zip(*outs) for a, b in zip(x, y)) / sum(map(len, outs[0]))
     assert outs[0] == outs[1] or (shape != "tiny" and agree > 0.99), f"tokens agree {agree:.1%}"

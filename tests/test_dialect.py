@@ -122,7 +122,7 @@ def test_logit_bias_forces_or_bans_a_token_and_skip_special_tokens_shows_it(llm)
 
 
 def test_a_bias_past_the_vocabulary_is_refused_and_the_engine_goes_on(llm):
-    vocab = llm.config.vocab_size
+    vocab = llm.llm_engine.config.vocab_size
     with pytest.raises(ParamError, match=f"logit_bias names token {vocab}, out of range for a vocabulary of {vocab}"):
         greedy(llm, logit_bias={vocab: 1.0})
     with pytest.raises(ParamError, match="a bias from -100 to 100"):

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from minivllm.distributed import (Communicator, CountingCommunicator, ProcessGroupCommunicator, RankFailure,
-                                  RankProcess, divide, free_port, listen_socket, process_state, run_on_ranks)
+                                  RankProcess, divide, free_port, listen_socket, process_state)
 
-from minivllm.testing import rank_processes, tcp_listeners
+from minivllm.testing import rank_processes, run_on_ranks, tcp_listeners
 
 
 def collectives(comm):
@@ -202,7 +202,7 @@ def test_a_rank_never_runs_the_callers_script(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(f"""
         import torch
-        from minivllm.distributed import run_on_ranks
+        from minivllm.testing import run_on_ranks
         open({str(marker)!r}, "a").write("script\\n")
         def total(comm):
             return comm.all_reduce(torch.tensor([comm.rank + 1.0])).item()
@@ -265,7 +265,7 @@ def test_listen_socket_holds_the_port_from_the_start():
 def test_a_one_gpu_machine_runs_two_ranks_on_the_cpu_unless_told_otherwise(monkeypatch, caplog, tmp_path):
     "The default device and backend count the GPUs: one GPU and two ranks means the CPU and gloo, said once."
     from minivllm.distributed import default_backend, default_device
-    from minivllm.engine.model_runner import EngineArgs
+    from minivllm.engine.args import EngineArgs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert (default_device(1), default_backend(1)) == ("cuda", "nccl")

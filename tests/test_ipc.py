@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from minivllm.distributed import RankFailure
-from minivllm.engine.ipc import ShmCommandChannel, ShmCommandReceiver, encode_command, worker_loop
+from minivllm.distributed import RankFailure, worker_loop
+from minivllm.engine.ipc import ShmCommandChannel, ShmCommandReceiver, encode_command
 from minivllm.shm import segment_name, sweep_stale_segments
 
-from minivllm.testing import Recorder, default_sigint, gone, records, wait_until
+from minivllm.bench.workload import default_sigint
+from minivllm.testing import Recorder, gone, records, wait_until
 
 SHM = Path("/dev/shm")
 

@@ -18,8 +18,8 @@ if not torch.cuda.is_available():
 import minivllm.attention as attention
 import minivllm.kv_cache as kv
 import minivllm.triton_attention as tri
-from minivllm.attention import (HAS_TRITON, Attention, attention_backend, causal_mask, cpu_decode_kernel, gather_kv,
-                                store_kvcache)
+from minivllm.triton_attention import HAS_TRITON
+from minivllm.attention import Attention, attention_backend, causal_mask, cpu_decode_kernel, gather_kv, store_kvcache
 from minivllm.kv_cache import (DECODE_GROUP_SIZE, AttentionMetadata, allocate_kv_cache, decode_metadata,
                                kv_cache_bytes_per_block, prefill_metadata, slot_mapping, store_kvcache_torch)
 from minivllm.triton_attention import store_kvcache_triton
@@ -145,7 +145,7 @@ def interpreted(test):
     "Run `test` (the kernel on CPU tensors) where Triton's interpreter can run it; on a GPU the CUDA test below runs."
     for mark in (needs_triton,
                  pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the CUDA kernel test covers it"),
-                 pytest.mark.skipif(HAS_TRITON and not attention.TRITON_RUNS_ON_CPU,
+                 pytest.mark.skipif(HAS_TRITON and not tri.TRITON_RUNS_ON_CPU,
                                     reason="triton < 3.2: its interpreter cannot run kernels on CPU tensors")):
         test = mark(test)
     return test
@@ -396,20 +396,20 @@ def test_attention_rejects_what_it_cannot_do():
 
 
 def test_backend_on_cpu_is_the_kernel_for_float32_and_bfloat16_decode_else_sdpa():
-    md = decode_metadata([[0]], [1], 4)
-    assert attention_backend(torch.randn(1, 4, 8), torch.zeros(2, 4, 2, 8), md) == ("cpu" if HAS_CPU_KERNEL else "sdpa")
-    kernel_16 = "cpu" if HAS_CPU_KERNEL else "sdpa"
-    assert attention_backend(torch.randn(1, 4, 8).bfloat16(), torch.zeros(2, 4, 2, 8).bfloat16(), md) == kernel_16
-    assert attention_backend(torch.randn(1, 4, 8).half(), torch.zeros(2, 4, 2, 8).half(), md) == "sdpa"
-    assert attention_backend(torch.randn(1, 4, 8), None, prefill_metadata([[]], [0], [1], 4)) == "sdpa"
+    kernel = "cpu" if HAS_CPU_KERNEL else "sdpa"
+    assert attention_backend("cpu", torch.float32, 8, is_prefill=False) == kernel
+    assert attention_backend("cpu", torch.bfloat16, 8, is_prefill=False) == kernel
+    assert attention_backend("cpu", torch.float16, 8, is_prefill=False) == "sdpa"
+    assert attention_backend("cpu", torch.float32, 512, is_prefill=False) == "sdpa"  # past the kernel's head size
+    assert attention_backend("cpu", torch.float32, 8, is_prefill=True) == "sdpa"
 
 
 @pytest.mark.parametrize("env, expect", [({"MINIVLLM_CPU_KERNEL": "0"}, "None\n"),
                                          ({"MINIVLLM_CACHE": "/dev/null/cannot-be-a-folder"}, "None\n")])
 def test_cpu_kernel_can_be_switched_off_and_a_failed_build_falls_back(env, expect):
     "Switched off, or unbuildable (here: a cache folder that cannot exist), the kernel is None and SDPA decodes."
-    code = ("from minivllm.attention import cpu_decode_kernel as k, attention_backend as b; from minivllm.kv_cache import decode_metadata as d; import torch;"
-            "print(k()); assert b(torch.randn(1, 4, 8), torch.zeros(2, 4, 2, 8), d([[0]], [1], 4)) == 'sdpa'")
+    code = ("from minivllm.attention import cpu_decode_kernel as k, attention_backend as b; import torch;"
+            "print(k()); assert b('cpu', torch.float32, 8, is_prefill=False) == 'sdpa'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ | env, timeout=120)
     assert done.returncode == 0 and done.stdout == expect, done.stderr
     if "MINIVLLM_CACHE" in env:

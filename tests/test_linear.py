@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minivllm.distributed import Communicator, run_on_ranks
+from minivllm.distributed import Communicator
 from minivllm.shm_allreduce import ShmCommunicator
-from minivllm.testing import gqa_attention, load_layer, rand, split_heads
+from minivllm.testing import gqa_attention, load_layer, rand, run_on_ranks, split_heads
 from minivllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                     ReplicatedLinear, RowParallelLinear, heads_per_rank)
 

@@ -17,7 +17,8 @@ import transformers
 
 from minivllm import LLM, SamplingParams
 from minivllm.distributed import RankFailure
-from minivllm.testing import (InterruptedAfterOneStep, default_sigint, gone, make_tiny_checkpoint, shm_segments, tcp_listeners,
+from minivllm.bench.workload import default_sigint
+from minivllm.testing import (InterruptedAfterOneStep, gone, make_tiny_checkpoint, shm_segments, tcp_listeners,
                               wait_until)
 
 SHM = Path("/dev/shm")
@@ -62,7 +63,7 @@ def test_greedy_matches_transformers_with_a_roomy_cache(case, tp):
     path, prompts, expected = case
     with LLM(path, tensor_parallel_size=tp, max_model_len=128, kvcache_block_size=8) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        assert llm.scheduler.num_preemptions == 0
+        assert llm.llm_engine.scheduler.num_preemptions == 0
         assert [o.token_ids for o in outputs] == expected
         assert all(o.finish_reason == "length" for o in outputs)
         sampled = [o.token_ids for o in llm.generate(prompts, SEEDED, use_tqdm=False)]
@@ -81,16 +82,16 @@ def test_greedy_matches_with_preemption_prefix_hits_and_chunked_prefill(case, tp
              max_num_batched_tokens=32, max_num_seqs=8) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.token_ids for o in outputs] == expected
-        assert llm.scheduler.num_preemptions > 0, "the small cache should have forced preemption"
-        assert llm.scheduler.block_manager.prefix_cache_hit_blocks > 0, "shared prefixes should hit the cache"
+        assert llm.llm_engine.scheduler.num_preemptions > 0, "the small cache should have forced preemption"
+        assert llm.llm_engine.scheduler.block_manager.prefix_cache_hit_blocks > 0, "shared prefixes should hit the cache"
         assert max(len(p) for p in prompts) > 32, "a prompt longer than the token budget is prefilled in chunks"
 
 
 def as_if_cores_were_shared(llm: LLM, monkeypatch) -> list[int]:
     "Make the engine's ThreadPolicy see another process on one of two cores, with tiny prefills worth streams; the streams' counts."
     from minivllm.cpu import threads
-    policy, runner = llm.runner.threads, llm.runner
-    policy.max_threads, policy.choose = 2, lambda: 1
+    policy, runner = llm.llm_engine.runner.threads, llm.llm_engine.runner
+    policy.max_threads, policy.threads, policy.choose = 2, 1, lambda: 1  # as the policy would have chosen
     monkeypatch.setattr(threads, "MIN_STREAM_TOKENS", 4)
     counts, streamed = [], runner._streamed_hidden
     runner._streamed_hidden = lambda parts, kv_cache: counts.append(len(parts)) or streamed(parts, kv_cache)
@@ -107,7 +108,8 @@ def test_prefills_in_streams_give_the_tokens_of_one_stream(case, monkeypatch):
         counts = as_if_cores_were_shared(llm, monkeypatch)
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
         assert counts and set(counts) == {2}, "prefills should have run in two streams"
-        assert llm.scheduler.block_manager.prefix_cache_hit_blocks > 0 and llm.scheduler.num_preemptions > 0
+        scheduler = llm.llm_engine.scheduler
+        assert scheduler.block_manager.prefix_cache_hit_blocks > 0 and scheduler.num_preemptions > 0
         assert [o.token_ids for o in llm.generate(prompts, SEEDED, use_tqdm=False)] == sampled
 
 
@@ -116,7 +118,7 @@ def test_a_stream_that_fails_fails_the_step_and_leaves_no_thread(tiny, monkeypat
     import threading
     with LLM(tiny, max_model_len=64) as llm:
         counts = as_if_cores_were_shared(llm, monkeypatch)
-        runner, forward = llm.runner, llm.runner._hidden_at_last_tokens
+        runner, forward = llm.llm_engine.runner, llm.llm_engine.runner._hidden_at_last_tokens
         def fail_elsewhere(step, kv_cache):
             if threading.current_thread() is not threading.main_thread():
                 raise RuntimeError("a stream failed")
@@ -156,7 +158,8 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(tiny, prompt, par
         good = llm.add_request([1, 2, 3], GREEDY)
         with pytest.raises((ValueError, TypeError), match=message):
             llm.generate([[4, 5], prompt], [GREEDY, params], use_tqdm=False)
-        assert list(llm.scheduler.waiting) == good.seqs  # the good request of the failed call was not left queued
+        waiting = llm.llm_engine.scheduler.waiting  # the good request of the failed call was not left queued
+        assert [s.prompt_token_ids for s in waiting] == [good.prompt_token_ids] == [[1, 2, 3]]
         while not good.is_finished: llm.step()
         assert len(good.output().token_ids) == MAX_TOKENS
         assert len(llm.generate([4, 5], GREEDY, use_tqdm=False)[0].token_ids) == MAX_TOKENS
@@ -200,12 +203,12 @@ def test_missing_checkpoint_files(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ shutdown and faults
 def workers_of(llm):
-    return list(llm.channel.processes.values())
+    return list(llm.llm_engine.channel.processes.values())
 
 
 def test_close_stops_workers_and_frees_shared_memory(tiny):
     llm = LLM(tiny, tensor_parallel_size=4, max_model_len=64)
-    segment, workers = llm.channel.name, workers_of(llm)
+    segment, workers = llm.llm_engine.channel.name, workers_of(llm)
     assert len(workers) == 3 and (SHM / segment).exists()
     llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     llm.close()
@@ -218,7 +221,7 @@ def test_close_stops_workers_and_frees_shared_memory(tiny):
 def test_garbage_collected_engine_shuts_down(tiny):
     import gc
     llm = LLM(tiny, tensor_parallel_size=2, max_model_len=64)
-    segment, workers = llm.channel.name, workers_of(llm)
+    segment, workers = llm.llm_engine.channel.name, workers_of(llm)
     del llm
     gc.collect()
     assert wait_until(lambda: all(not p.is_alive() for p in workers), 10) and not (SHM / segment).exists()
@@ -226,11 +229,11 @@ def test_garbage_collected_engine_shuts_down(tiny):
 
 def test_worker_exception_is_reported_and_cleaned_up(tiny):
     llm = LLM(tiny, tensor_parallel_size=2, max_model_len=64)
-    segment, workers = llm.channel.name, workers_of(llm)
-    llm.channel.call("no_such_method", wait=False)  # the worker raises AttributeError and exits
+    segment, workers = llm.llm_engine.channel.name, workers_of(llm)
+    llm.llm_engine.channel.call("no_such_method", wait=False)  # the worker raises AttributeError and exits
     with pytest.raises(RankFailure, match=r"(?s)worker rank 1 raised.*AttributeError.*no_such_method"):
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
-    assert llm.closed and all(not p.is_alive() for p in workers) and not (SHM / segment).exists()
+    assert llm.llm_engine.closed and all(not p.is_alive() for p in workers) and not (SHM / segment).exists()
 
 
 def test_closing_an_engine_frees_its_model_at_once(tiny):
@@ -238,7 +241,7 @@ def test_closing_an_engine_frees_its_model_at_once(tiny):
     import weakref
     for tp in (1, 2):
         llm = LLM(tiny, tensor_parallel_size=tp, max_model_len=64)
-        model = weakref.ref(llm.runner.model)
+        model = weakref.ref(llm.llm_engine.runner.model)
         llm.close()
         assert model() is None
 
@@ -246,7 +249,7 @@ def test_closing_an_engine_frees_its_model_at_once(tiny):
 def test_worker_killed_during_generation(tiny):
     import threading
     llm = LLM(tiny, tensor_parallel_size=2, max_model_len=512)
-    segment, (worker,) = llm.channel.name, workers_of(llm)
+    segment, (worker,) = llm.llm_engine.channel.name, workers_of(llm)
     errors, steps, step = [], [], llm.step
     llm.step = lambda: (steps.append(1), step())[1]  # counts the engine's steps, to kill mid-generation
     def run():
@@ -262,14 +265,15 @@ def test_worker_killed_during_generation(tiny):
     assert not t.is_alive(), "generate did not return after its worker was killed"
     assert errors and isinstance(errors[0], RankFailure), errors
     assert "worker rank 1" in str(errors[0]) and "SIGKILL" in str(errors[0])
-    assert llm.closed and not (SHM / segment).exists()
+    assert llm.llm_engine.closed and not (SHM / segment).exists()
 
 
 RANK0_SCRIPT = textwrap.dedent("""
     import json, sys
     from minivllm import LLM, SamplingParams
     llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=512)
-    print(json.dumps({"segment": llm.channel.name, "workers": [p.pid for p in llm.channel.processes.values()]}),
+    channel = llm.llm_engine.channel
+    print(json.dumps({"segment": channel.name, "workers": [p.pid for p in channel.processes.values()]}),
           flush=True)
     if sys.argv[2] == "interrupt":
         step = llm.step
@@ -439,20 +443,20 @@ def test_numpy_token_ids_are_checked_like_python_ints(tiny):
                              ([1, np.float32(2.0)], r"token ids \(integers >= 0 that fit in 64 bits\)")):
             with pytest.raises(ValueError, match=message):
                 llm.generate(bad, GREEDY, use_tqdm=False)
-        assert llm.scheduler.is_finished()
+        assert llm.llm_engine.scheduler.is_finished()
         assert llm.generate([1, 2, 3], GREEDY, use_tqdm=False)[0].token_ids == reference  # still serving
 
 
 def test_a_stopped_worker_is_named_within_seconds(tiny):
     llm = LLM(tiny, tensor_parallel_size=2, max_model_len=512)
-    segment, (worker,) = llm.channel.name, workers_of(llm)
+    segment, (worker,) = llm.llm_engine.channel.name, workers_of(llm)
     llm.generate([1, 2, 3], GREEDY, use_tqdm=False)
     os.kill(worker.pid, signal.SIGSTOP)
     t0 = time.monotonic()
     with pytest.raises(RankFailure, match=r"worker rank 1 \(pid \d+\) has been stopped \(SIGSTOP or a debugger\)"):
         llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
     assert time.monotonic() - t0 < 10
-    assert llm.closed and not worker.is_alive() and not (SHM / segment).exists()
+    assert llm.llm_engine.closed and not worker.is_alive() and not (SHM / segment).exists()
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -460,8 +464,8 @@ def test_an_interruption_between_steps_aborts_the_calls_requests(tiny, tp):
     with InterruptedAfterOneStep(tiny, tensor_parallel_size=tp, max_model_len=64) as llm:
         with pytest.raises(KeyboardInterrupt):
             llm.generate([[1, 2, 3], [4, 5]], GREEDY, use_tqdm=False)
-        manager = llm.scheduler.block_manager
-        assert llm.scheduler.is_finished() and manager.num_free_blocks == manager.num_blocks
+        manager = llm.llm_engine.scheduler.block_manager
+        assert llm.llm_engine.scheduler.is_finished() and manager.num_free_blocks == manager.num_blocks
         out = llm.generate([[1, 2, 3], [4, 5]], GREEDY, use_tqdm=False)
         assert [len(o.token_ids) for o in out] == [MAX_TOKENS] * 2  # only this call's requests ran
     with pytest.raises(RuntimeError, match="this LLM is closed"):
@@ -472,12 +476,13 @@ def test_default_threads_follow_the_load_and_fixed_threads_stay(tiny):
     "Rank 0's ThreadPolicy counts the workers as the engine's own; each step's choice is applied; num_threads=N fixes it."
     before = torch.get_num_threads()
     with LLM(tiny, max_model_len=64, tensor_parallel_size=2) as llm:
-        policy = llm.runner.threads
-        assert policy.fixed is None and {p.pid for p in llm.channel.processes.values()} < policy.pids
+        policy = llm.llm_engine.runner.threads
+        assert policy.fixed is None and {p.pid for p in llm.llm_engine.channel.processes.values()} < policy.pids
     with LLM(tiny, max_model_len=64) as llm:
-        llm.runner.threads.choose = lambda: 1  # as if another process held the other cores
+        policy = llm.llm_engine.runner.threads
+        policy.choose, policy.next_check_at = (lambda: 1), 0.0  # the load is due a look: another process holds a core
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before  # the engine gives its threads back
     with LLM(tiny, max_model_len=64, num_threads=1) as llm:
-        assert llm.runner.threads.fixed == 1 and llm.runner.threads.choose() == 1
+        assert llm.llm_engine.runner.threads.fixed == 1 and llm.llm_engine.runner.threads.choose() == 1

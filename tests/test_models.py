@@ -8,11 +8,11 @@ import pytest
 import torch
 import transformers
 
-from minivllm.distributed import Communicator, run_on_ranks
+from minivllm.distributed import Communicator
 from minivllm.shm_allreduce import ShmCommunicator
 from minivllm.kv_cache import allocate_kv_cache, prefill_metadata
 from minivllm.models import load_model
-from minivllm.testing import greedy_generate, hf_greedy, hf_logits, make_tiny_checkpoint, prefill_logits
+from minivllm.testing import greedy_generate, hf_greedy, hf_logits, make_tiny_checkpoint, prefill_logits, run_on_ranks
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks get these functions by value
 transformers.logging.set_verbosity_error()

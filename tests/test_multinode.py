@@ -54,8 +54,8 @@ def on_two_hosts(model, tp: int, prompts=PROMPTS, params=GREEDY, master_addr="12
     port = free_port(master_addr)
     with WorkerNode(master_addr, port, prefix=prefix) as node:
         with LLM(model, tensor_parallel_size=tp, nnodes=2, master_addr=master_addr, master_port=port, **kwargs) as llm:
-            assert llm.remote is not None and len(node.ranks) == tp // 2
-            local = [os.getpid(), *(p.pid for p in llm.channel.processes.values())] if llm.channel is not None else [os.getpid()]
+            assert llm.llm_engine.remote is not None and len(node.ranks) == tp // 2
+            local = [os.getpid(), *(p.pid for p in llm.llm_engine.channel.processes.values())] if llm.llm_engine.channel is not None else [os.getpid()]
             listening = tcp_listeners(local) + tcp_listeners(node.ranks, ns)
             out = tokens(llm, prompts, params)
     return out, node.wait(), listening
@@ -91,11 +91,12 @@ def test_the_packaged_model_on_two_hosts():
         assert [o.text for o in llm.generate(prompts, params, use_tqdm=False)] == reference
         one_host = top_logprobs(llm, long_prompts, first)
     assert_same_logprobs(one_host, long_reference, FLOAT32)
-    from minivllm.engine.model_runner import ModelRunner, StepInputs
+    from minivllm.engine.model_runner import ModelRunner
+    from minivllm.engine.step import StepInputs
     from minivllm.cluster.multinode import INLINE_BYTES
     from minivllm.cluster.wire import CommandCodec
     n = len(long_prompts)
-    prefill = StepInputs(True, sum(long_prompts, []), [0] * n, [len(p) for p in long_prompts], [list(range(63))] * n)
+    prefill = StepInputs.build(True, long_prompts, [0] * n, [list(range(63))] * n, block_size=16)
     assert len(CommandCodec(ModelRunner.COMMANDS).encode("run", prefill)) > INLINE_BYTES
     from minivllm.config import DEFAULT_MODEL
     port = free_port()
@@ -133,7 +134,7 @@ def test_a_host_that_disappears_is_named(tiny, what):
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     with WorkerNode("127.0.0.1", port) as node:
         llm = LLM(tiny, tensor_parallel_size=4, nnodes=2, master_port=port)
-        local, remote = [p.pid for p in llm.channel.processes.values()], node.ranks
+        local, remote = [p.pid for p in llm.llm_engine.channel.processes.values()], node.ranks
         assert len(remote) == 2
 
         def take_it_away():
@@ -149,7 +150,7 @@ def test_a_host_that_disappears_is_named(tiny, what):
         took = time.monotonic() - start
         expected = "has not been heard from" if what == "host" else "died with exit code -9 \\(killed by SIGKILL\\)"
         assert failure.match(expected)
-        assert llm.closed
+        assert llm.llm_engine.closed
         assert took < 30, took
         assert node.wait() != 0
     for pid in local + remote:
@@ -286,7 +287,7 @@ def test_two_hosts_in_two_network_namespaces(tiny):
 def test_serving_from_two_hosts():
     "`minivllm serve --nnodes 2` with a `minivllm worker`: the API answers as one host does; SIGTERM ends both."
     import httpx
-    from minivllm.testing import ServerProcess
+    from minivllm.bench.workload import ServerProcess
     params = SamplingParams(temperature=0.0, max_tokens=16)
     with LLM(dtype="float32") as llm:
         expected = llm.generate("ROMEO:", params, use_tqdm=False)[0].text
@@ -417,13 +418,13 @@ def test_a_store_client_can_neither_stop_the_engine_nor_take_a_node(tiny, cluste
         assert "llm" in out, out
         with out["llm"] as llm:
             assert not _listening(port)  # the store is gone once the ranks have started: nobody can write to it
-            monitor = llm.remote.monitor
+            monitor = llm.llm_engine.remote.monitor
             send_as_stranger(monitor.port, frame(b"e", 1, b"injected by an outside client"))
             send_as_stranger(monitor.port, frame(b"w", 1, b"rank 1 on the stranger's machine"))
             long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
             for i, _ in enumerate(llm.stream([[1, 2, 3]], long)):
                 send_as_stranger(monitor.port, frame(b"b", 1, b"garbage!"))  # every step, a pulse that is not rank 1's
-                llm.remote.check(now=True)       # what every wait on the other machines does: no RankFailure
+                llm.llm_engine.remote.check(now=True)       # what every wait on the other machines does: no RankFailure
             assert tokens(llm) == reference
             assert monitor.where(1).startswith("rank 1 on node 1 (")  # not the stranger's name for it
             assert {"error/1", "where/1", "beat/1"} <= monitor.forged
@@ -461,7 +462,7 @@ def test_across_machines_a_flood_while_serving_leaves_the_engine_flat(tiny):
             assert not _listening(port)
             junk = frame(b"e", 1, os.urandom(4 << 20))  # one buffer, sent 150 times: this process allocates no more
             for _ in range(150):
-                send_as_stranger(llm.remote.monitor.port, junk)
+                send_as_stranger(llm.llm_engine.remote.monitor.port, junk)
             after = rss_mib(os.getpid())
             assert after - before < 20, (before, after)
             assert tokens(llm) == reference

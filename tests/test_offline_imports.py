@@ -82,3 +82,17 @@ def test_no_module_answers_to_an_old_name():
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "OK", run.stderr[-2000:]
 
+
+def test_importing_the_package_configures_no_logging():
+    "No module configures logging as it is imported; `configure_logging()` runs where a program starts (notebook 00a)."
+    script = textwrap.dedent('''
+        import importlib, logging
+        for name in ("minivllm.llm", "minivllm.serve.server", "minivllm.serve.core", "minivllm.cli", "minivllm.testing",
+                     "minivllm.cost_model", "minivllm.bench.throughput", "minivllm.cluster.multinode"):
+            importlib.import_module(name)
+        print(logging.getLogger("minivllm").handlers, logging.getLogger().handlers)
+        from minivllm.logger import configure_logging
+        print(configure_logging(), logging.getLogger("minivllm").handlers)
+    ''')
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout == "[] []\nTrue [<_StderrHandler (NOTSET)>]\n", run.stderr[-2000:]

@@ -12,7 +12,8 @@ import pytest
 from minivllm.cluster.multinode import STALE_S
 from minivllm.cluster.wire import SECRET_ENV, new_secret
 from minivllm.distributed import free_port
-from minivllm.testing import ServerProcess, WorkerNode, gone, rank_processes, tcp_listeners, wait_until
+from minivllm.bench.workload import ServerProcess
+from minivllm.testing import WorkerNode, gone, rank_processes, tcp_listeners, wait_until
 
 TP2 = ("--max-model-len", "256", "--served-model-name", "tiny", "--tp", "2")
 HELLO = {"model": "tiny", "prompt": "Hello", "max_tokens": 4}

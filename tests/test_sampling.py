@@ -169,9 +169,9 @@ def test_n_samples_share_the_prompt_blocks_and_are_reproducible(tiny, tp):
     prompt = list(range(1, 41))  # 2 full blocks of 16, and 8 tokens more
     params = SamplingParams(temperature=1.0, n=4, seed=3, max_tokens=10, ignore_eos=True)
     with LLM(tiny, tensor_parallel_size=tp, max_model_len=128, kvcache_block_size=16) as llm:
-        hits = llm.scheduler.block_manager.prefix_cache_hit_tokens
+        hits = llm.llm_engine.scheduler.block_manager.prefix_cache_hit_tokens
         out = llm.generate(prompt, params, use_tqdm=False)[0]
-        assert llm.scheduler.block_manager.prefix_cache_hit_tokens - hits == 3 * 32  # the 3 later samples hit both
+        assert llm.llm_engine.scheduler.block_manager.prefix_cache_hit_tokens - hits == 3 * 32  # the 3 later samples hit both
         assert [c.index for c in out.outputs] == [0, 1, 2, 3] and len({tuple(c.token_ids) for c in out.outputs}) == 4
         single = llm.generate(prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True),
                               use_tqdm=False)[0]
@@ -202,5 +202,5 @@ def test_stream_deltas_add_up_to_generate_and_stop_strings_cut(chat_ckpt, tp):
         cut = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]),
                            use_tqdm=False)[0]
         assert (cut.text, cut.finish_reason) == (first[:first.index(stop)], "stop")
-        assert not llm.scheduler.running and llm.scheduler.block_manager.num_free_blocks == \
-               llm.scheduler.block_manager.num_blocks
+        assert not llm.llm_engine.scheduler.running and llm.llm_engine.scheduler.block_manager.num_free_blocks == \
+               llm.llm_engine.scheduler.block_manager.num_blocks

@@ -236,7 +236,7 @@ def test_masked_token_ids_tell_the_sampler_what_min_tokens_holds_back():
     told = []
     for _ in range(3):
         batch = sched.schedule()
-        told.append(batch.masked_token_ids)  # read before postprocess, like the rest of the batch
+        told.append(batch.masked_token_ids())  # read before postprocess, like the rest of the batch
         sched.postprocess(batch, [11] * batch.num_seqs)
     assert told == [[[3, 7, 9], [3, 7], []], [[3, 7, 9], [], []], None]  # EOS held back even with ignore_eos
     assert [s.num_completion_tokens for s in (a, b, c)] == [3, 3, 3]

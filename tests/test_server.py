@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.testing import ServerProcess, gone, rank_processes, server_metrics, shm_segments, wait_until
+from minivllm.bench.workload import ServerProcess
+from minivllm.testing import gone, rank_processes, server_metrics, shm_segments, wait_until
 
 KEY = "test-key"
 HELLO = [{"role": "user", "content": "Say something."}]

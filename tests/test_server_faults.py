@@ -18,8 +18,9 @@ import pytest
 from minivllm import SamplingParams
 from minivllm.distributed import free_port, process_state
 from minivllm.serve.core import AddRequest, EngineCoreProcess, Ping, Pong, Rejected, StepOutputs
-from minivllm.testing import (BAD_REQUEST_VALUES as BAD_VALUES, ServerProcess, engine_idle_after, gone, rank_processes,
-                              rss_mib, server_metrics as metrics, tcp_listeners, wait_until)
+from minivllm.bench.workload import ServerProcess
+from minivllm.testing import (BAD_REQUEST_VALUES as BAD_VALUES, engine_idle_after, gone, rank_processes, rss_mib,
+                              server_metrics as metrics, tcp_listeners, wait_until)
 
 @pytest.fixture(scope="module")
 def server(chat_ckpt):

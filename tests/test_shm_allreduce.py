@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import minivllm.shm_allreduce as shm_module
-from minivllm.distributed import ProcessGroupCommunicator, RankFailure, run_on_ranks
+from minivllm.distributed import ProcessGroupCommunicator, RankFailure
 from minivllm.shm_allreduce import ShmAllReduce, ShmCommunicator, make_communicator
+from minivllm.testing import run_on_ranks
 
 # subtle: tests/ is not a package; the ranks get this module's functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

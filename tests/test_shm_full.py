@@ -126,7 +126,7 @@ def _fill(out: Path) -> None:
     report = {"error": None, "tokens": None}
     with LLM(**ENGINE) as llm:
         report["segments"] = sorted(shm_segments())
-        report["shm_allreduce"] = getattr(llm.runner.comm, "shm", None) is not None
+        report["shm_allreduce"] = getattr(llm.llm_engine.runner.comm, "shm", None) is not None
         fill = subprocess.run(["sh", "-c", "cat /dev/zero > /dev/shm/filler"], capture_output=True, text=True)
         report["fill_error"] = fill.stderr.strip()
         st = os.statvfs(SHM)

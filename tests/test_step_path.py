@@ -1,6 +1,9 @@
 """tools/step_path.py: what one call runs of the package, counted as a reader pays for it."""
 import importlib.util
 import inspect
+import json
+import os
+import subprocess
 import sys
 
 from conftest import ROOT
@@ -25,3 +28,28 @@ def test_a_call_is_counted_by_its_functions_lines_and_check_calls():
     assert step_path.is_check("_validate_x") and step_path.is_check("check") and not step_path.is_check("checkpoint")
     assert step_path.cycles([("a.py", "b.py"), ("b.py", "a.py"), ("b.py", "c.py")]) == [("a.py", "b.py"),
                                                                                        ("b.py", "a.py")]
+
+
+def test_calls_back_up_and_detours_are_named():
+    "A call into the engine's stages from below them calls back up; a file of the periphery is a detour."
+    step_path = tool()
+    before = [("llm.py", "engine/llm_engine.py"), ("engine/llm_engine.py", "engine/scheduler.py"),
+              ("engine/llm_engine.py", "engine/launch.py"), ("engine/launch.py", "engine/model_runner.py"),
+              ("engine/model_runner.py", "engine/scheduler.py"), ("engine/model_runner.py", "kv_cache.py")]
+    assert step_path.calls_back_up(before) == [("engine/model_runner.py", "engine/scheduler.py")]
+    assert step_path.calls_back_up(before[:4] + before[5:]) == []
+    trace = step_path.StepTrace(files=["llm.py", "cpu/threads.py", "models.py", "cpu/gemm.py"])
+    assert step_path.detours(trace) == ["cpu/threads.py", "cpu/gemm.py"]
+
+
+def test_one_decode_step_meets_the_textbook_targets(tmp_path):
+    "The packaged model's decode step at TP=1, with the C++ kernels (built first if need be): issue 55's targets."
+    out = tmp_path / "step.json"
+    env = os.environ | {"MINIVLLM_KERNEL_BUILD": "wait"}  # subtle: a process that found no kernels keeps torch's ops
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "step_path.py"), "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    trace = json.loads(out.read_text())
+    assert trace["lines"] <= 550 and sum(trace["check_calls"].values()) <= 10, done.stdout
+    assert len(trace["detours"]) <= 1 and not trace["calls_back_up"] and not trace["cycles"], done.stdout
+    assert "engine/scheduler.py" not in {callee for caller, callee in trace["pairs"] if caller == "engine/model_runner.py"}

@@ -1,4 +1,4 @@
-"""Stop strings (notebook 13's `StopStrings`, notebook 13b's caps): the text cut where the plain `str.find` search cuts it,
+"""Stop strings (notebook 12a's `StopStrings`, notebook 13b's caps): the text cut where the plain `str.find` search cuts it,
 token by token, in random completions; a token's search work that does not grow with the number of stop strings;
 one index per request, shared by its completions; the offline engine with 10,000 stop strings; and a served request
 over a cap refused with an error that names `stop`, the cap and the flag that raises it."""
@@ -11,8 +11,7 @@ from dataclasses import replace
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine.sequence import Sequence
-from minivllm.llm import CompletionText, IncrementalDetokenizer, Request, StopStrings
+from minivllm.outputs import CompletionText, IncrementalDetokenizer, Request, StopStrings
 from minivllm.sampling_params import ParamError
 from minivllm.serve.async_llm import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, AsyncLLM
 
@@ -94,7 +93,7 @@ def test_completions_that_share_one_index_keep_their_own_place():
 
 def test_a_request_indexes_its_stop_strings_once_for_all_its_completions():
     params = SamplingParams(n=3, stop=["\n\n", "END"], max_tokens=4)
-    request = Request("r", None, [Sequence(i, [1, 2], params) for i in range(3)], PieceTokenizer(["a"]), stream=False)
+    request = Request("r", None, [1, 2], params, PieceTokenizer(["a"]), stream=False)
     assert len({id(t.stop) for t in request.texts}) == 1 and request.texts[0].stop.stop == ("\n\n", "END")
 
 

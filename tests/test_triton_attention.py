@@ -13,9 +13,9 @@ import torch
 import transformers
 
 from minivllm import LLM, SamplingParams
-from minivllm.attention import (HAS_TRITON, TRITON_RUNS_ON_CPU, Attention, attention_backend_name,
-                                paged_attention_torch)
+from minivllm.attention import Attention, attention_backend_name, paged_attention_torch
 from minivllm.kv_cache import decode_metadata, prefill_metadata
+from minivllm.triton_attention import HAS_TRITON, TRITON_RUNS_ON_CPU
 from minivllm.testing import (ATTENTION_TOL, PagedCase, check_prefill_then_decode, hf_greedy, interpreter_programs,
                               make_tiny_checkpoint, triton_variants, written_twice)
 
@@ -185,7 +185,7 @@ def test_engine_through_the_kernel_equals_transformers(tmp_path, name):
     path = make_tiny_checkpoint(tmp_path / name, **TINY[name])
     prompts = PROMPTS + [PROMPTS[1][:33] + [5, 6]]  # shares two blocks of the second prompt: a cached prefix
     with LLM(str(path), attention_backend="TRITON_ATTN", max_num_seqs=4, device="cpu") as llm:
-        assert {m.backend for m in llm.runner.model.modules() if isinstance(m, Attention)} == {"triton"}
+        assert {m.backend for m in llm.llm_engine.runner.model.modules() if isinstance(m, Attention)} == {"triton"}
         outs = llm.generate(prompts,
                             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 8)
@@ -197,7 +197,7 @@ def test_engine_at_tp2_takes_the_backend_from_the_environment(tmp_path, monkeypa
     monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "TRITON_ATTN")
     path = make_tiny_checkpoint(tmp_path / "m")
     with LLM(str(path), tensor_parallel_size=2, max_num_seqs=4, device="cpu") as llm:
-        assert llm.args.attention_backend == "triton"
+        assert llm.llm_engine.args.attention_backend == "triton"
         outs = llm.generate(PROMPTS,
                             SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS, 6)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from minivllm.engine.ipc import encode_command
-from minivllm.engine.model_runner import StepInputs
+from minivllm.engine.step import StepInputs
 from minivllm.bench.comm import time_command_paths
 from minivllm.cluster.multinode import INLINE_BYTES
 
@@ -24,10 +24,11 @@ def command_sizes(block_size: int = 16) -> dict[str, int]:
     "Pickled sizes of `run` commands: decodes of 8 and 256 sequences of 512 tokens, and an 8,192-token prefill."
     def decode(n: int, tokens: int = 512) -> StepInputs:
         blocks = -(-tokens // block_size)
-        return StepInputs(False, [1000 + i for i in range(n)], [tokens - 1] * n, [1] * n,
-                          [list(range(i * blocks, (i + 1) * blocks)) for i in range(n)], greedy=True, num_threads=1)
-    prefill = StepInputs(True, [1000 + i % 3000 for i in range(8192)], [0] * 8, [1024] * 8,
-                         [list(range(i * 64, (i + 1) * 64)) for i in range(8)], num_threads=1)
+        return StepInputs.build(False, [[1000 + i] for i in range(n)], [tokens - 1] * n,
+                                [list(range(i * blocks, (i + 1) * blocks)) for i in range(n)], block_size,
+                                greedy=True, num_threads=1)
+    prefill = StepInputs.build(True, [[1000 + (s * 1024 + i) % 3000 for i in range(1024)] for s in range(8)], [0] * 8,
+                               [list(range(s * 64, (s + 1) * 64)) for s in range(8)], block_size, num_threads=1)
     return {"decode, 8 seqs": len(encode_command("run", decode(8))),
             "decode, 256 seqs": len(encode_command("run", decode(256))),
             "prefill, 8k tokens": len(encode_command("run", prefill))}

@@ -36,8 +36,9 @@ from pathlib import Path
 import httpx
 
 from minivllm.distributed import process_state
-from minivllm.testing import (BAD_REQUEST_VALUES, CHAT_TEMPLATE, ServerProcess, engine_idle_after, gone,
-                              leftover_segments, rank_processes, rss_mib, shm_segments, wait_until)
+from minivllm.bench.workload import ServerProcess
+from minivllm.testing import (BAD_REQUEST_VALUES, CHAT_TEMPLATE, engine_idle_after, gone, leftover_segments,
+                              rank_processes, rss_mib, shm_segments, wait_until)
 from minivllm.testing import server_metrics as metrics
 
 NORMAL = {"model": "probe", "prompt": "ROMEO.", "max_tokens": 16, "ignore_eos": True}  # a normal request: 16 tokens

@@ -398,12 +398,12 @@ def profile_decode_step(llm: LLM, batch: int, context: int, device: torch.device
     "One decode step of `batch` sequences at nano-vllm's temperature under torch.profiler, after two unprofiled ones."
     import torch
     from minivllm import SamplingParams
-    params = SamplingParams(temperature=0.6, max_tokens=llm.args.max_model_len - context, ignore_eos=True)
+    params = SamplingParams(temperature=0.6, max_tokens=llm.llm_engine.args.max_model_len - context, ignore_eos=True)
     requests = [llm.add_request([(13 * i + j) % 1000 + 1 for j in range(context)], params) for i in range(batch)]
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":  # subtle: CUPTI records the kernels that CUDA graphs replay, so graphs stay on
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    runner = llm.runner
+    runner = llm.llm_engine.runner
     sampler = runner.sampler
     try:
         full = 0
@@ -544,13 +544,13 @@ def eager_settings(device: torch.device, eager_too: bool) -> tuple[bool, ...]:
 def warm_up(llm: LLM, max_batch: int, temperature: float, seed: int = 1) -> int:
     "Run the shapes a timed run meets, so no kernel compiles inside it; the prefix-cache tokens it hit (> 0)."
     from minivllm import SamplingParams
-    rng, block = random.Random(seed), llm.args.kvcache_block_size
-    vocab, room = min(llm.config.vocab_size, 10_000), llm.args.max_model_len - 4
+    rng, block = random.Random(seed), llm.llm_engine.args.kvcache_block_size
+    vocab, room = min(llm.llm_engine.config.vocab_size, 10_000), llm.llm_engine.args.max_model_len - 4
     draw = lambda n: [rng.randrange(1, vocab) for _ in range(n)]
     params = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True)
     shared = block * max(1, min(2, (room - 2) // block))  # whole blocks: the prefix cache keeps whole blocks only
     first = draw(shared + max(1, min(5, room - shared)))
-    manager = llm.scheduler.block_manager
+    manager = llm.llm_engine.scheduler.block_manager
     hits = manager.prefix_cache_hit_tokens
     llm.generate([first], params, use_tqdm=False)  # a prefill, and decodes at batch 1
     llm.generate([first[:shared] + draw(max(1, min(7, room - shared)))], params, use_tqdm=False)  # over a cached prefix
@@ -565,7 +565,7 @@ def run_workload(path: Path, workload: Workload, device: torch.device, eager: bo
     from minivllm import LLM
     with LLM(path, dtype="bfloat16", device=device.type, enforce_eager=eager, max_model_len=max_model_len,
              attention_backend=backend) as llm:
-        hits = warm_up(llm, min(llm.args.max_num_seqs, len(workload.prompts)), workload.temperature)
+        hits = warm_up(llm, min(llm.llm_engine.args.max_num_seqs, len(workload.prompts)), workload.temperature)
         sync(device)
         start = time.perf_counter()
         outs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)

@@ -9,7 +9,10 @@ C++ kernels' inner calls are not counted): a *file* is a module some function of
 caller-file -> callee-file pair (each counted once), and the step runs *one direction* when those pairs form no cycle.
 What a reader pays: the *lines* of the functions the step runs (each function counted once, from its first line to
 its last; comprehensions and lambdas inside them are part of them), and the *check calls* (calls of functions named
-`check`, `validate`, `check_...` or `validate_...`, each call counted).
+`check`, `validate`, `check_...` or `validate_...`, each call counted). A *detour* is a file of the periphery
+(`cpu/`, `serve/`, `cluster/`, `bench/`) the step enters; a pair *calls back up* when its callee is the engine, what
+calls it, or one of the engine's stages (the files its step calls: the scheduler, the ranks) and its caller lies
+below them, as a runner asking the scheduler would.
 """
 from __future__ import annotations
 
@@ -97,6 +100,22 @@ def cycles(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return [(a, b) for a, b in pairs if reaches(b, a)]
 
 
+PERIPHERY = ("cpu/", "serve/", "cluster/", "bench/")  # the folders outside the textbook's core (tests/test_package_layout.py)
+ENGINE = "engine/llm_engine.py"
+
+
+def detours(trace: StepTrace) -> list[str]:
+    "The periphery's files the step enters: code a reader leaves the core for."
+    return [f for f in trace.files if f.startswith(PERIPHERY)]
+
+
+def calls_back_up(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    "Caller->callee pairs into the engine, what calls it, or one of its stages (the files the engine's step calls) from a file below them."
+    above = {a for a, b in pairs if b == ENGINE} | {ENGINE}
+    up = above | {b for a, b in pairs if a == ENGINE}
+    return [(a, b) for a, b in pairs if b in up and a not in above]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=1)
@@ -108,18 +127,21 @@ def main(argv: list[str] | None = None) -> int:
         llm.step()  # the prefill
         llm.step()  # a first decode (warm: graphs and caches are built)
         trace = trace_step(llm.step)
-    back = cycles(trace.pairs)
-    print(f"{len(trace.files)} files, {len(trace.pairs)} caller->callee file pairs, {len(back)} of them in a cycle; "
-          f"{len(trace.functions)} functions of {trace.lines} lines; {sum(trace.check_calls.values())} check calls")
+    back, up, side = cycles(trace.pairs), calls_back_up(trace.pairs), detours(trace)
+    print(f"{len(trace.files)} files, {len(trace.pairs)} caller->callee file pairs, {len(back)} of them in a cycle, "
+          f"{len(up)} calling back up; {len(trace.functions)} functions of {trace.lines} lines; "
+          f"{sum(trace.check_calls.values())} check calls; {len(side)} detour files ({', '.join(side) or 'none'})")
     for f in trace.files:
         lines = sum(n for key, n in trace.functions.items() if key.split(":")[0] == f)
-        print(f"  {f}: {lines} lines")
+        print(f"  {f}: {lines} lines{'   (detour)' if f in side else ''}")
     for caller, callee in trace.pairs:
-        print(f"  {caller} -> {callee}{'   (back up)' if (caller, callee) in back else ''}")
+        note = "   (cycle)" if (caller, callee) in back else "   (back up)" if (caller, callee) in up else ""
+        print(f"  {caller} -> {callee}{note}")
     for key, calls in sorted(trace.check_calls.items(), key=lambda kv: -kv[1]):
         print(f"  {calls:4d} calls of {key}")
     if a.json:
         Path(a.json).write_text(json.dumps({"files": trace.files, "pairs": trace.pairs, "cycles": back,
+                                            "calls_back_up": up, "detours": side,
                                             "functions": trace.functions, "lines": trace.lines,
                                             "check_calls": trace.check_calls}, indent=1))
     return 0

@@ -34,7 +34,8 @@ def measure(steps: int = 7) -> dict:
     "The median of `steps` profiled decode steps: its total and its phases as (phase, start ms, length ms)."
     from minivllm.bench.workload import Workload
     from minivllm.config import Config
-    from minivllm.engine import model_runner
+    from minivllm.engine.scheduler import ScheduledBatch
+    from minivllm.engine.step import StepInputs
     from minivllm.config import DEFAULT_MODEL
     from minivllm.llm import LLM
     work = Workload.make(Config.from_pretrained(DEFAULT_MODEL).vocab_size)
@@ -42,15 +43,14 @@ def measure(steps: int = 7) -> dict:
     with LLM(None, num_threads=1, dtype="float32", max_model_len=longest) as llm:
         for prompt, params in zip(work.prompts, work.sampling_params()):
             llm.add_request(prompt, params)
-        while llm.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in llm.scheduler.running):
+        sched, runner = llm.llm_engine.scheduler, llm.llm_engine.runner
+        while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
             llm.step()  # the prefills
         for _ in range(3):
             llm.step()  # warm decode steps
-        sched, runner = llm.scheduler, llm.runner
         sched.schedule, sched.postprocess = traced("schedule", sched.schedule), traced("postprocess", sched.postprocess)
-        for cls in (model_runner.StepInputs, model_runner.SamplingInputs):
-            cls.from_batch = classmethod(traced("step inputs", cls.from_batch.__func__))
-        model_runner.StepInputs.metadata = traced("attention metadata", model_runner.StepInputs.metadata)
+        ScheduledBatch.step_inputs = traced("step inputs", ScheduledBatch.step_inputs)  # inside "schedule"
+        StepInputs.metadata = traced("attention metadata", StepInputs.metadata)
         runner.model.forward = traced("model forward", runner.model.forward)
         runner.model.greedy_tokens = traced("LM head + argmax", runner.model.greedy_tokens)
         batch = len(sched.running)

@@ -26,7 +26,7 @@ def add_allreduce_arguments(p: argparse.ArgumentParser) -> None:
 def run_allreduce(a: argparse.Namespace) -> int:
     "`minivllm bench allreduce`: one all-reduce through gloo and through shared memory, and their ratio."
     import torch
-    from minivllm.distributed import run_on_ranks
+    from minivllm.testing import run_on_ranks
     from minivllm.shm_allreduce import ShmCommunicator, time_all_reduce
     nbytes = 4 * torch.Size(a.shape).numel()
     connect = partial(ShmCommunicator.connect, slot_bytes=max(nbytes, 1 << 20))
@@ -72,7 +72,7 @@ def _time_broadcasts(comm, sizes: list[int], iters: int, inline_bytes: int, secr
 def time_command_paths(sizes: list[int], iters: int = 200, repeats: int = 3,
                        inline_bytes: int | None = None) -> dict[str, dict[int, float]]:  # None: the engine's INLINE_BYTES
     "Median seconds per command of each size, through shared memory and through the gloo broadcast, between two processes."
-    from minivllm.distributed import run_on_ranks
+    from minivllm.testing import run_on_ranks
     from minivllm.engine.ipc import ShmCommandChannel
     from minivllm.cluster.multinode import INLINE_BYTES
     inline_bytes = INLINE_BYTES if inline_bytes is None else inline_bytes

@@ -23,8 +23,7 @@ import torch.distributed as dist
 from fastcore.basics import patch
 
 from ..distributed import ClosableStore, NodeLayout, RankFailure, RankProcess, end_processes, shutdown_groups  # noqa: F401 (NodeLayout: importable here too)
-from ..distributed import close_gloo_listeners, open_descriptors
-from ..engine.ipc import OwnerDied, worker_loop
+from ..distributed import OwnerDied, close_gloo_listeners, open_descriptors, worker_loop
 from .wire import SECRET_ENV, ClusterKey, CommandCodec, Untrusted, fields_from_wire, fields_to_wire
 
 # %% auto #0

@@ -71,7 +71,12 @@ class PackedWeight:
         self.stand_in = torch.zeros((), dtype=weight.dtype).expand(self.shape)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        "The product, its sizes checked first: how code other than the model's layers calls it."
         check_fits(self.shape, x, bias)  # subtle: MKL trusts these sizes with raw pointers: a misfit would read out of bounds
+        return self.multiply(x, bias)
+
+    def multiply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        "The product of inputs whose sizes fit, as a layer's are (it packed the weight for the width it feeds)."
         rows = x.numel() // self.shape[1] if self.shape[1] else 0
         return torch.ops.mkl._mkl_linear(x, self.packed, self.stand_in, bias, rows)
 
@@ -110,7 +115,12 @@ class OneDNNWeight:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_size=64)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        "The product, its sizes checked first: how code other than the model's layers calls it."
         check_fits(self.shape, x, bias)
+        return self.multiply(x, bias)
+
+    def multiply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        "The product of inputs whose sizes fit, as a layer's are."
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
     def __repr__(self) -> str: return f"OneDNNWeight({self.shape})"
@@ -126,10 +136,16 @@ class BF16PanelWeight:
                                "oneDNN's product or F.linear")
         self.shape = tuple(weight.shape)
         self.packed = kernels.pack_bf16_panels(weight)
+        self.ops = kernels.bf16_gemm()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        "The product, its sizes and tensors checked first: how code other than the model's layers calls it."
         check_fits(self.shape, x, bias)
         return kernels.avx512bf16_linear(x, self.packed, self.shape[0], bias)
+
+    def multiply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        "The product of bfloat16 CPU inputs whose sizes fit, as a layer's are."
+        return self.ops.linear(x.reshape(-1, x.shape[-1]), self.packed, self.shape[0], bias).view(*x.shape[:-1], self.shape[0])
 
     def __repr__(self) -> str: return f"BF16PanelWeight({self.shape})"
 

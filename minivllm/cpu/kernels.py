@@ -22,14 +22,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..distributed import _torch_version
+from ..distributed import torch_version
 
 # %% auto #0
 __all__ = ['KERNEL_FLAGS', 'KERNEL_TORCH', 'KERNEL_WAIT_S', 'CPU_VECTOR_HELPERS', 'CPU_LAYER_KERNELS_SOURCE', 'CPU_KERNEL_DTYPES',
            'BF16_PANEL', 'BF16_GEMM_SOURCE', 'cpu_kernels_enabled', 'kernel_cache', 'kernel_build_folder', 'file_lock',
-           'build_cpu_extension', 'cpp_source', 'cpp_listing', 'layer_kernels', 'use_cpu_kernels', 'check_cpu_tensors',
-           'add_rms_norm', 'silu_and_mul', 'rotary_embedding', 'argmax_rows', 'bf16_gemm', 'pack_bf16_panels',
-           'avx512bf16_linear']
+           'build_cpu_extension', 'cpp_source', 'cpp_listing', 'layer_kernels', 'use_cpu_kernels', 'layer_ops_for',
+           'check_cpu_tensors', 'add_rms_norm', 'silu_and_mul', 'rotary_embedding', 'argmax_rows', 'bf16_gemm',
+           'pack_bf16_panels', 'avx512bf16_linear']
 
 # %% ../../nbs/04a_cpu_kernels.ipynb #b755915d
 KERNEL_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast"]
@@ -43,7 +43,7 @@ def cpu_kernels_enabled() -> bool:
         return False
     # subtle: C++ built against a torch the kernels were never tested with is a risk no speed is worth (an error
     # thrown inside one crashed a test run with torch 2.11 on a GPU machine); only an explicit =1 takes it
-    return flag == "1" or _torch_version() >= KERNEL_TORCH
+    return flag == "1" or torch_version() >= KERNEL_TORCH
 
 @functools.cache
 def _say_why_off() -> None:
@@ -217,6 +217,12 @@ CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # bfloat16: float32 math, r
 def use_cpu_kernels(x: torch.Tensor) -> bool:
     "Whether an operation on `x` goes to the C++ kernels: float32 or bfloat16 on the CPU, with the kernels built (and not off)."
     return x.device.type == "cpu" and x.dtype in CPU_KERNEL_DTYPES and layer_kernels() is not None
+
+def layer_ops_for(device: torch.device | str, dtype: torch.dtype):
+    "The C++ layer operators for a model of `dtype` on `device` (`torch.ops.minivllm_cpu_layers`), or None: torch's operations serve."
+    # subtle: a model binds these once, when it is built (notebook 07): its layers then call the operators directly,
+    # with the tensors the engine gives them, and the checks below guard only the functions other code calls
+    return layer_kernels() if torch.device(device).type == "cpu" and dtype in CPU_KERNEL_DTYPES else None
 
 def check_cpu_tensors(op: str, dtypes: tuple = CPU_KERNEL_DTYPES, **tensors) -> None:
     "`ValueError` naming `op` and the argument unless each tensor given (None: absent) is a dense CPU tensor of one of `dtypes`."

@@ -53,6 +53,7 @@ class ThreadPolicy:
         self.pids = {os.getpid()}  # the engine's processes: their own use is not load (the engine adds its workers)
         self.busy_elsewhere: float | None = None  # cores' worth used by other processes in the last interval
         self._last = self._sample()
+        self._schedule_next()
 
     def _sample(self) -> tuple[float, int, int, int] | None:
         "`(time, busy, total, ours)` now, or None where /proc cannot tell (the threads then stay as they are)."
@@ -62,6 +63,10 @@ class ThreadPolicy:
             return (time.monotonic(), *cpu_ticks(self.cpus), process_ticks(self.pids))
         except (OSError, ValueError):
             return None
+
+    def _schedule_next(self) -> None:
+        "`next_check_at`: when the load is read again, `interval_s` after the last reading (never where /proc cannot tell)."
+        self.next_check_at = math.inf if self._last is None else self._last[0] + self.interval_s
 
     def choose(self) -> int:
         "The threads per rank for the next step."
@@ -73,6 +78,7 @@ class ThreadPolicy:
             self.busy_elsewhere = max(0.0, ((busy - busy0) - (ours - ours0)) / (total - total0) * len(self.cpus))
             self.threads = threads_for_load(len(self.cpus), self.busy_elsewhere, self.world_size, self.max_threads)
         self._last = now
+        self._schedule_next()
         return self.threads
 
     def __repr__(self) -> str:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import AttentionMetadata, padded_block_tables, slot_mapping
+from .step import StepInputs
+from ..kv_cache import AttentionMetadata, padded_block_tables
 
 # %% auto #0
 __all__ = ['graph_batch_sizes', 'pick_graph_batch_size', 'DecodeBuffers', 'run_padded', 'DecodeGraphs']
@@ -35,23 +36,20 @@ class DecodeBuffers:
         self.slot_mapping, self.context_lens = z(max_batch, dtype=torch.int64), z(max_batch, dtype=torch.int32)
         self.block_tables = z(max_batch, max_blocks, dtype=torch.int32)
 
-    def fill(self, input_ids: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int,
-             bucket: int) -> None:
-        "Copy a decode step of `len(input_ids)` sequences into the first rows; pad the rest of `bucket` rows."
-        n = len(input_ids)
+    def fill(self, step: StepInputs, bucket: int) -> None:
+        "Copy a decode step (notebook 08c) of `len(step.input_ids)` sequences into the first rows; pad the rest of `bucket` rows."
+        n = len(step.input_ids)
         if not n <= bucket <= self.max_batch:
             raise ValueError(f"a batch of {n} needs a bucket of at least {n} and at most {self.max_batch}, got {bucket}")
-        if any(len(t) > self.max_blocks for t in block_tables):
+        if any(len(t) > self.max_blocks for t in step.block_tables):
             raise ValueError(f"a block table is longer than the {self.max_blocks} blocks the buffers hold")
         pad = bucket - n
-        positions = [c - 1 for c in context_lens]
-        slots = [slot_mapping(t, p, p + 1, block_size)[0] for t, p in zip(block_tables, positions)]  # notebook 06's rule
-        tables = padded_block_tables(block_tables + [[]] * pad, width=self.max_blocks)  # notebook 06: one flat copy
-        # one host-to-device copy per buffer
-        self.input_ids[:bucket].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
-        self.positions[:bucket].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
-        self.slot_mapping[:bucket].copy_(torch.tensor(slots + [-1] * pad), non_blocking=True)
-        self.context_lens[:bucket].copy_(torch.tensor(context_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
+        tables = padded_block_tables(step.block_tables + [[]] * pad, width=self.max_blocks)  # notebook 06: one flat copy
+        # one host-to-device copy per buffer; positions and slots as the scheduler wrote them (notebook 08c)
+        self.input_ids[:bucket].copy_(torch.tensor(step.input_ids + [0] * pad), non_blocking=True)
+        self.positions[:bucket].copy_(torch.tensor(step.positions + [0] * pad), non_blocking=True)
+        self.slot_mapping[:bucket].copy_(torch.tensor(step.slot_mapping + [-1] * pad), non_blocking=True)
+        self.context_lens[:bucket].copy_(torch.tensor(step.context_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
         self.block_tables[:bucket].copy_(tables, non_blocking=True)
 
     def metadata(self, bucket: int) -> AttentionMetadata:
@@ -94,9 +92,9 @@ class DecodeGraphs:
         "Whether a decode batch of this size has a graph."
         return pick_graph_batch_size(batch_size, self.sizes) is not None
 
-    def run(self, input_ids: list[int], context_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+    def run(self, step: StepInputs) -> torch.Tensor:
         "Hidden states `[B, hidden]` of a decode step, by replaying the smallest bucket that holds it."
-        size = pick_graph_batch_size(len(input_ids), self.sizes)
-        self.buffers.fill(input_ids, context_lens, block_tables, self.block_size, size)
+        size = pick_graph_batch_size(len(step.input_ids), self.sizes)
+        self.buffers.fill(step, size)
         self.graphs[size].replay()
-        return self.outputs[size][:len(input_ids)]
+        return self.outputs[size][:len(step.input_ids)]

@@ -19,13 +19,13 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from ..distributed import PeerWatch, RankFailure, RankProcess, process_state
+from ..distributed import OwnerDied, PeerWatch, RankFailure, RankProcess, process_state, worker_loop
 from ..shm import attach_shared_memory, create_shared_memory
 from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['DEFAULT_MAX_BYTES', 'ERROR_BYTES', 'OWNER_FOLDER_ENV', 'encode_command', 'decode_command', 'WorkerHandle',
-           'ShmCommandChannel', 'OwnerDied', 'ShmCommandReceiver', 'worker_loop']
+           'ShmCommandChannel', 'ShmCommandReceiver']
 
 # %% ../../nbs/10_shm_ipc.ipynb #f7c49cc2
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024  # room for one command: a 16k-token prefill pickles to about 180 KB
@@ -291,9 +291,6 @@ def call(self: ShmCommandChannel, method: str, *args, wait: bool = True) -> None
         self.wait()
 
 # %% ../../nbs/10_shm_ipc.ipynb #e10093f7
-class OwnerDied(RuntimeError):
-    "Rank 0, which owns the channel, died while this worker was waiting for a command."
-
 OWNER_FOLDER_ENV = "MINIVLLM_OWNER_FOLDER"  # a private folder (named minivllm-*) of rank 0's, removed if it dies
 
 def _remove_owner_folder(folder: str | None) -> None:
@@ -372,28 +369,6 @@ class ShmCommandReceiver:
     def __exit__(self, *exc): self.close()
 
 # %% ../../nbs/10_shm_ipc.ipynb #9cf9c314
-def worker_loop(receiver: ShmCommandReceiver, handler: Any) -> bool:
-    "Call `getattr(handler, method)(*args)` for each command until `exit` (True) or rank 0's death (False); report a failure and re-raise. The handler's `exit` runs once, whatever ends the loop."
-    exited = False
-    try:
-        while True:
-            method, args = receiver.recv()
-            if method == "exit":
-                exited = True
-                if hasattr(handler, "exit"): handler.exit(*args)
-                return True
-            getattr(handler, method)(*args)
-    except OwnerDied:
-        return False
-    except BaseException:
-        receiver.report_error(traceback.format_exc())
-        raise
-    finally:
-        if not exited and hasattr(handler, "exit"):
-            # subtle: rank 0 died or a command failed: still leave the group (unlinking what a dead rank 0 cannot)
-            try: handler.exit()
-            except Exception: pass
-
 def _worker_main(handle_fields: dict, make_handler: Callable, args: tuple) -> None:
     "Body of a worker: attach, build `make_handler(rank, *args)`, serve commands, close whatever happens."
     handle = WorkerHandle(**handle_fields)

@@ -16,8 +16,9 @@ from fastcore.basics import patch
 
 from ..distributed import NodeLayout, RankFailure, StoreKey, listen_socket, store_server
 from .ipc import ShmCommandChannel
-from .model_runner import EngineArgs, ModelRunner, StepOutput, run_batch
-from .scheduler import ScheduledBatch
+from .args import EngineArgs
+from .model_runner import ModelRunner, execute_step
+from .step import StepInputs, StepOutput
 
 if TYPE_CHECKING:  # subtle: several machines (notebooks 09a, 10a) are imported where an engine spans them, only there
     from minivllm.cluster import ClusterKey, GlooCommandChannel, HeartbeatMonitor
@@ -149,12 +150,12 @@ def start(self: Ranks) -> EngineArgs:
 
 # %% ../../nbs/11a_launch.ipynb #33296d81
 @patch
-def run(self: Ranks, batch: ScheduledBatch) -> StepOutput:
-    "Compute one scheduled batch on every rank; rank 0's sampled tokens (notebook 11's `run_batch`)."
+def run(self: Ranks, step: StepInputs) -> StepOutput:
+    "Compute one step on every rank; rank 0's sampled tokens (notebook 11's `execute_step`)."
     if self.runner is None:
         raise RuntimeError("the ranks are closed: start an engine again")
     self._in_step = True
-    output = run_batch(batch, self.runner, self.channel, self.remote)
+    output = execute_step(step, self.runner, self.channel, self.remote)
     self._in_step = False
     return output
 

@@ -5,8 +5,6 @@
 # %% ../../nbs/11b_llm_engine.ipynb #9d4e6cec
 from __future__ import annotations
 
-import logging
-import sys
 import time
 import weakref
 from dataclasses import replace
@@ -17,7 +15,8 @@ from ..config import check_token_ids, model_folder
 from ..distributed import RankFailure
 from .block_manager import BlockManager
 from .launch import Ranks
-from .model_runner import EngineArgs, ModelRunner
+from .args import EngineArgs
+from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from ..sampling_params import SamplingParams
 from .sequence import Sequence
@@ -29,19 +28,7 @@ if TYPE_CHECKING:  # the channels' types, for the annotations only: the ranks ar
     from minivllm.cluster import GlooCommandChannel
 
 # %% auto #0
-__all__ = ['logger', 'LLMEngine', 'sample_seed', 'check_params_for_vocab']
-
-# %% ../../nbs/11b_llm_engine.ipynb #4a4bee78
-class _StderrHandler(logging.Handler):
-    "Writes each record to the current `sys.stderr` (which notebooks and test runners replace), as `minivllm: ...`."
-    def emit(self, record: logging.LogRecord) -> None:
-        print(f"minivllm: {self.format(record)}", file=sys.stderr)
-
-logger = logging.getLogger("minivllm")
-if not logger.handlers:  # subtle: as vLLM does, show notices without the application configuring logging
-    logger.addHandler(_StderrHandler())
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+__all__ = ['LLMEngine', 'sample_seed', 'check_params_for_vocab']
 
 # %% ../../nbs/11b_llm_engine.ipynb #edca0960
 class LLMEngine:
@@ -134,7 +121,7 @@ def step(self: LLMEngine) -> tuple[list[Sequence], dict]:
     self.runner  # raises if the engine is closed
     batch = self.scheduler.schedule()
     try:
-        output = self.ranks.run(batch)  # every rank's share (notebook 11a); what follows is what a long-lived engine adds
+        output = self.ranks.run(batch.step)  # every rank's share (notebook 11a); what follows is what a long-lived engine adds
     except BaseException as e:
         failure = self.ranks.failure() if isinstance(e, Exception) else None
         self.close()

@@ -10,11 +10,10 @@ import gc
 import itertools
 import logging
 import math
-import os
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from dataclasses import replace
+from typing import TYPE_CHECKING, Callable
 
 import socket
 
@@ -22,244 +21,22 @@ import torch
 from fastcore.basics import patch
 
 from .. import cpu
-from ..config import Config, check_known_fields, check_positive_int, is_int
-from ..distributed import NodeLayout, ProcessGroupCommunicator, default_device
+from ..config import Config, check_positive_int
+from ..distributed import NodeLayout, ProcessGroupCommunicator
 from ..shm_allreduce import make_communicator
-from .scheduler import ScheduledBatch, Scheduler, context_lengths, token_positions
-from ..attention import attention_backend_name, cpu_decode_kernel, set_attention_backend
-from ..kv_cache import DECODE_GROUP_SIZE, allocate_kv_cache, decode_metadata, kv_cache_bytes_per_block, prefill_metadata
-from ..sampler import GREEDY_TEMPERATURE, Sampler, add_logit_bias, apply_penalties, mask_tokens, token_logprobs
+from .args import EngineArgs
+from .step import StepInputs, StepOutput
+from ..attention import cpu_decode_kernel
+from ..kv_cache import (allocate_kv_cache, blocks_for_budget, cpu_kv_cache_budget, cuda_kv_cache_budget,
+                               kv_cache_bytes_per_block)
+from ..sampler import Sampler, token_logprobs
 from ..models import build_model, load_checkpoint
 
 if TYPE_CHECKING:  # subtle: several machines (notebooks 09a, 10a) are imported where they are used, never by one machine's engine
     from minivllm.cluster import ClusterKey
 
 # %% auto #0
-__all__ = ['PROMPT_LOGPROB_ROWS', 'EngineArgs', 'StepInputs', 'SamplingInputs', 'StepOutput', 'available_memory_bytes',
-           'cpu_kv_cache_budget', 'cuda_kv_cache_budget', 'blocks_for_budget', 'split_step', 'ModelRunner', 'run_batch',
-           'run_until_done']
-
-# %% ../../nbs/11_model_runner.ipynb #a6f39f7a
-@dataclass
-class EngineArgs:
-    "Everything a rank needs to build its runner: the model, the parallel layout, the limits and the KV-cache budget."
-    model: str | Path
-    tensor_parallel_size: int = 1
-    dtype: str | torch.dtype | None = None  # None: the checkpoint's dtype
-    max_model_len: int | None = None  # prompt + output tokens; None: min(max_position_embeddings, 4096)
-    max_num_seqs: int = 256  # sequences in one batch
-    max_num_batched_tokens: int = 8192  # tokens in one forward pass (longer prompts are prefilled in chunks)
-    kvcache_block_size: int = 16  # tokens per KV-cache block
-    enforce_eager: bool = False  # never capture CUDA graphs
-    seed: int = 0  # draws of requests without a seed of their own
-    device: str | None = None  # "cuda" or "cpu"; None: CUDA when this machine has a GPU for each of its ranks
-    gpu_memory_utilization: float = 0.9  # CUDA: fraction of the GPU's memory the engine may use in all
-    kv_cache_memory: int | None = None  # CPU: bytes for the KV cache of all ranks together (None: a fraction)
-    cpu_kv_cache_fraction: float = 0.1  # CPU: fraction of available memory for the KV cache when no bytes given
-    num_kvcache_blocks: int | None = None  # exactly this many blocks (tests use it to force preemption)
-    timeout_s: float = 300.0  # how long a rank waits for the others in a collective before giving up
-    num_threads: int | None = None  # CPU: intra-op threads per rank; None: chosen by the load (see ThreadPolicy)
-    nnodes: int = 1  # machines the ranks are spread over, tensor_parallel_size / nnodes each (notebook 10a)
-    master_addr: str = "127.0.0.1"  # where rank 0 serves the rendezvous; with nnodes > 1, its address the others reach
-    master_port: int = 0  # the rendezvous' port (0: a free one)
-    # one attention backend for every layer (notebook 06a: ours or vLLM's name); None: MINIVLLM_ATTENTION_BACKEND
-    # if set, else the fastest that can run each call
-    attention_backend: str | None = None
-
-    def __new__(cls, *args, **kwargs):
-        "Refuse an unknown keyword (of `LLM(...)` too) by naming the ones that exist."
-        check_known_fields(cls, kwargs)
-        return super().__new__(cls)
-
-    def __post_init__(self):
-        for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kvcache_block_size"):
-            check_positive_int(name, getattr(self, name))
-        for name in ("max_model_len", "num_kvcache_blocks", "kv_cache_memory", "num_threads"):
-            if getattr(self, name) is not None: check_positive_int(name, getattr(self, name))
-        if not is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        check_positive_int("nnodes", self.nnodes)
-        ranks_here = NodeLayout(self.tensor_parallel_size, self.nnodes).ranks_per_node  # checks that they split
-        if not (is_int(self.master_port) and 0 <= self.master_port <= 65535):
-            raise ValueError(f"master_port must be from 0 to 65535, got {self.master_port!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if not 0 < self.cpu_kv_cache_fraction < 1:
-            raise ValueError(f"cpu_kv_cache_fraction must be in (0, 1), got {self.cpu_kv_cache_fraction!r}")
-        self.attention_backend = attention_backend_name(self.attention_backend
-                                                        or os.environ.get("MINIVLLM_ATTENTION_BACKEND") or None)
-        if self.device is None:
-            self.device = default_device(ranks_here)
-            if self.device == "cpu" and torch.cuda.is_available():
-                logging.getLogger("minivllm").warning(
-                    f"tensor_parallel_size={self.tensor_parallel_size} needs {ranks_here} GPUs on this machine, but "
-                    f"{torch.cuda.device_count()} are visible: its ranks run on the CPU (device='cuda' insists on GPUs)")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.device == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError("device='cuda' but torch sees no CUDA GPU: use device='cpu' (or install torch's CUDA build)")
-            if ranks_here > torch.cuda.device_count():
-                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} over nnodes={self.nnodes} needs "
-                                 f"{ranks_here} GPUs per machine, but {torch.cuda.device_count()} are visible: lower "
-                                 "tensor_parallel_size, or spread it over more machines")
-
-    def model_config(self) -> Config:
-        "The checkpoint's `Config`, checked against `tensor_parallel_size` (errors name the fix)."
-        return Config.from_pretrained(self.model, tensor_parallel_size=self.tensor_parallel_size, dtype=self.dtype)
-
-    def resolved(self, config: Config) -> EngineArgs:
-        "A copy with `max_model_len` filled in from `config` and checked against it."
-        longest = config.max_position_embeddings
-        max_model_len = self.max_model_len or min(longest, 4096)
-        if max_model_len > longest:
-            raise ValueError(f"max_model_len={max_model_len} is longer than the model's max_position_embeddings "
-                             f"({longest}): lower max_model_len")
-        return replace(self, model=str(self.model), max_model_len=max_model_len, dtype=config.dtype)
-
-# %% ../../nbs/11_model_runner.ipynb #acec065f
-@dataclass
-class StepInputs:
-    "One step's forward-pass inputs, as plain lists: what rank 0 sends to every worker."
-    is_prefill: bool
-    input_ids: list[int]  # the new tokens of every sequence, concatenated
-    num_computed_tokens: list[int]  # per sequence: tokens already in the KV cache
-    num_new_tokens: list[int]  # per sequence: tokens computed now (1 in decode)
-    block_tables: list[list[int]]  # per sequence: its KV-cache blocks
-    greedy: bool = False  # every sequence is plain greedy: rank 0 needs each row's argmax, not its logits
-    num_threads: int | None = None  # CPU: the intra-op threads every rank uses for this step (rank 0's choice)
-    prompt_logprob_rows: list[int] | None = None  # rows whose logits give a prompt token's log-probability (prompt_logprobs)
-
-    @classmethod
-    def from_batch(cls, batch: ScheduledBatch, num_threads: int | None = None) -> StepInputs:
-        "The inputs of a scheduled batch (read before `Scheduler.postprocess` changes its sequences)."
-        # subtle: a request short of its min_tokens is greedy over logits whose EOS and stop tokens are masked out,
-        # which the LM head's argmax of every rank's shard cannot do
-        greedy = all(s.sampling_params.temperature < GREEDY_TEMPERATURE and not s.sampling_params.needs_logits
-                     and s.num_completion_tokens >= s.sampling_params.min_tokens for s in batch.seqs)
-        return cls(batch.is_prefill, batch.input_ids, list(batch.num_computed_tokens), list(batch.num_new_tokens),
-                   [list(t) for t in batch.block_tables], greedy, num_threads,
-                   [row for row, _, _ in batch.prompt_logprob_rows] or None)
-
-    @property
-    def positions(self) -> list[int]:
-        "The position of each input token in its sequence (the scheduler's rule)."
-        return token_positions(self.num_computed_tokens, self.num_new_tokens)
-
-    @property
-    def context_lens(self) -> list[int]:
-        "Per sequence: tokens in the cache once this step has stored its new ones (the scheduler's rule)."
-        return context_lengths(self.num_computed_tokens, self.num_new_tokens)
-
-    @property
-    def last_token_rows(self) -> list[int]:
-        "For each sequence, the row of its last new token in `input_ids`: where its next token's logits come from."
-        rows, end = [], 0
-        for n in self.num_new_tokens:
-            end += n
-            rows.append(end - 1)
-        return rows
-
-    def metadata(self, block_size: int, device: torch.device | str = "cpu"):
-        "The attention metadata of this step."
-        if self.is_prefill:
-            return prefill_metadata(self.block_tables, self.num_computed_tokens, self.num_new_tokens, block_size, device)
-        # subtle: groups of similar length help the CPU's gathers; a GPU's kernels read the whole batch in place
-        group_size = DECODE_GROUP_SIZE if torch.device(device).type == "cpu" else None
-        return decode_metadata(self.block_tables, self.context_lens, block_size, device, group_size)
-
-# %% ../../nbs/11_model_runner.ipynb #3213dbed
-@dataclass
-class SamplingInputs:
-    "Per sequence of a step: its sampling settings, seed, and how many tokens it has generated (the seeded draw's step)."
-    temperatures: list[float]
-    top_ks: list[int]
-    top_ps: list[float]
-    seeds: list[int | None]
-    steps: list[int]
-    presence_penalties: list[float] | None = None  # None: no sequence of the step has these penalties
-    frequency_penalties: list[float] | None = None
-    output_token_ids: list[list[int]] | None = None  # the tokens generated so far, which the penalties count
-    num_logprobs: list[int | None] | None = None  # None: no sequence asks for logprobs
-    min_ps: list[float] | None = None  # None: no sequence uses min-p
-    repetition_penalties: list[float] | None = None  # None: no sequence has a repetition penalty
-    prompt_token_ids: list[list[int]] | None = None  # the prompts, which the repetition penalty counts too
-    masked_token_ids: list[list[int]] | None = None  # per sequence: EOS and stop tokens it may not sample yet (min_tokens)
-    logit_biases: list[dict[int, float] | None] | None = None  # per sequence: its logit_bias; None: no sequence has one
-    prompt_logprob_tokens: list[int] | None = None  # per row of the step's prompt_logprob_rows: the prompt token it predicts
-    num_prompt_logprobs: list[int] | None = None  # per such row: its sequence's prompt_logprobs (the top tokens to show)
-
-    @classmethod
-    def from_batch(cls, batch: ScheduledBatch) -> SamplingInputs:
-        "The sampling settings of a scheduled batch's sequences; what no sequence uses stays None, and costs nothing."
-        params = [s.sampling_params for s in batch.seqs]
-        inputs = cls([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
-                     [p.seed for p in params], [s.num_completion_tokens for s in batch.seqs])
-        if any(p.presence_penalty or p.frequency_penalty for p in params):
-            inputs.presence_penalties = [p.presence_penalty for p in params]
-            inputs.frequency_penalties = [p.frequency_penalty for p in params]
-        if any(p.repetition_penalty != 1 for p in params):
-            inputs.repetition_penalties = [p.repetition_penalty for p in params]
-            inputs.prompt_token_ids = [s.prompt_token_ids for s in batch.seqs]
-        if inputs.presence_penalties is not None or inputs.repetition_penalties is not None:
-            inputs.output_token_ids = [s.completion_token_ids for s in batch.seqs]
-        if any(p.min_p > 0 for p in params):
-            inputs.min_ps = [p.min_p for p in params]
-        inputs.masked_token_ids = batch.masked_token_ids
-        if any(p.logit_bias for p in params):
-            inputs.logit_biases = [p.logit_bias for p in params]
-        if any(p.logprobs is not None for p in params):
-            inputs.num_logprobs = [p.logprobs for p in params]
-        if batch.prompt_logprob_rows:
-            inputs.prompt_logprob_tokens = [batch.seqs[i].token_ids[p] for _, i, p in batch.prompt_logprob_rows]
-            inputs.num_prompt_logprobs = [batch.seqs[i].sampling_params.prompt_logprobs for _, i, _ in batch.prompt_logprob_rows]
-        return inputs
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        "The logits after the settings that change even greedy's choice: min_tokens' mask, the logit biases, then the penalties (vLLM's order)."
-        if self.masked_token_ids is not None:
-            logits = mask_tokens(logits, self.masked_token_ids)
-        if self.logit_biases is not None:
-            logits = add_logit_bias(logits, self.logit_biases)
-        if self.output_token_ids is not None:
-            logits = apply_penalties(logits, self.output_token_ids, self.presence_penalties, self.frequency_penalties,
-                                     self.repetition_penalties, self.prompt_token_ids)
-        return logits
-
-class StepOutput(NamedTuple):
-    "What rank 0 returns from a step: one sampled token per sequence, the logprobs of those that asked, and the prompt logprobs of the step's prompt_logprob_rows."
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None] | None = None
-    prompt_logprobs: list[dict[int, float]] | None = None
-
-# %% ../../nbs/11_model_runner.ipynb #99bda7bb
-def available_memory_bytes() -> int:
-    "Memory the OS could give this process now (`MemAvailable` of /proc/meminfo, else free pages)."
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-def cpu_kv_cache_budget(args: EngineArgs) -> int:
-    "Bytes this rank may give its KV-cache shard on CPU: its share of the explicit or fractional budget."
-    total = args.kv_cache_memory or int(args.cpu_kv_cache_fraction * available_memory_bytes())
-    return total // args.tensor_parallel_size
-
-def cuda_kv_cache_budget(gpu_memory_utilization: float, device: torch.device) -> int:
-    "Bytes left for the KV cache on this GPU after warm-up: the utilisation target minus use and activation peak."
-    free, total = torch.cuda.mem_get_info(device)
-    used = total - free
-    stats = torch.cuda.memory_stats(device)
-    peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-    return int(total * gpu_memory_utilization - used - (peak - current))
-
-def blocks_for_budget(budget_bytes: int, bytes_per_block: int, max_useful_blocks: int) -> int:
-    "How many blocks fit in `budget_bytes` (at most `max_useful_blocks`; 0 if none)."
-    return max(0, min(budget_bytes // bytes_per_block, max_useful_blocks))
+__all__ = ['PROMPT_LOGPROB_ROWS', 'split_step', 'ModelRunner', 'execute_step']
 
 # %% ../../nbs/11_model_runner.ipynb #daeb0912
 def split_step(step: StepInputs, parts: int) -> list[StepInputs]:
@@ -273,9 +50,13 @@ def split_step(step: StepInputs, parts: int) -> list[StepInputs]:
         cuts.append(min(max(first, cuts[-1] + 1), n - (parts - g)))
     cuts.append(n)
     starts = [0] + tokens
-    return [replace(step, input_ids=step.input_ids[starts[a]:starts[b]], num_computed_tokens=step.num_computed_tokens[a:b],
-                    num_new_tokens=step.num_new_tokens[a:b], block_tables=step.block_tables[a:b])
-            for a, b in zip(cuts, cuts[1:])]
+    def part(a: int, b: int) -> StepInputs:
+        "Sequences a..b-1: their tokens (with positions and slots), counts and block tables; nothing to sample."
+        rows = slice(starts[a], starts[b])
+        return replace(step, input_ids=step.input_ids[rows], positions=step.positions[rows],
+                       slot_mapping=step.slot_mapping[rows], num_new_tokens=step.num_new_tokens[a:b],
+                       context_lens=step.context_lens[a:b], block_tables=step.block_tables[a:b], sampling=None)
+    return [part(a, b) for a, b in zip(cuts, cuts[1:])]
 
 # %% ../../nbs/11_model_runner.ipynb #13ae0926
 class ModelRunner:
@@ -359,7 +140,7 @@ def _build(self: ModelRunner) -> None:
     args, rank = self.args, self.rank
     self.max_model_len = args.resolved(self.config).max_model_len  # subtle: the one default, in `resolved`
     self.model = build_model(self.config, self.device, self.comm)
-    set_attention_backend(self.model, args.attention_backend, self.device)  # checked here: it must run on this device
+    self.model.choose_implementations(self.device, args.attention_backend, self.block_size)  # checked: it runs here
     load_checkpoint(self.model, args.model)
     self.model.eval()
     if self.device.type == "cpu":
@@ -407,7 +188,7 @@ def warmup(self: ModelRunner) -> None:
         if self.config.dtype in (torch.float32, torch.bfloat16):
             cpu_decode_kernel()  # build (once per machine) or load the decode kernel now, not in the first request
     lengths = [self.max_model_len] * (tokens // self.max_model_len) + ([tokens % self.max_model_len] if tokens % self.max_model_len else [])
-    step = StepInputs(True, [0] * tokens, [0] * len(lengths), lengths, [[] for _ in lengths])
+    step = StepInputs.build(True, [[0] * n for n in lengths], [0] * len(lengths), [[] for _ in lengths], self.block_size)
     self._forward(step, kv_cache=None)
 
 @patch
@@ -417,11 +198,11 @@ def warm_kernels(self: ModelRunner) -> None:
     # subtle: a GPU kernel compiles at its first launch of a variant (its dtype, decode or prefill, flash-decoding's
     # splits or none): here, not inside a request's step, a benchmark's timing or a CUDA graph's capture. The steps
     # write block 0, which no sequence holds yet
-    steps = [StepInputs(True, [0], [1], [1], [[0]]),  # a prefill over a cached prefix (and the cache's store)
-             StepInputs(False, [0], [1], [1], [[0]])]  # a decode of one sequence: split, where a GPU has room
+    steps = [StepInputs.build(True, [[0]], [1], [[0]], self.block_size),  # a prefill over a cached prefix (and the store)
+             StepInputs.build(False, [[0]], [1], [[0]], self.block_size)]  # a decode of one sequence: split, where a GPU has room
     if self.device.type == "cuda":  # the most sequences: a decode that fills the GPU without splits
         n = self.args.max_num_seqs
-        steps.append(StepInputs(False, [0] * n, [1] * n, [1] * n, [[0]] * n))
+        steps.append(StepInputs.build(False, [[0]] * n, [1] * n, [[0]] * n, self.block_size))
     for step in steps:
         self._forward(step, self.kv_cache)
 
@@ -433,7 +214,7 @@ def _blocks_from_budget(self: ModelRunner) -> int:
         return a.num_kvcache_blocks
     useful = a.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
     budget = (cuda_kv_cache_budget(a.gpu_memory_utilization, self.device) if self.device.type == "cuda"
-              else cpu_kv_cache_budget(a))
+              else cpu_kv_cache_budget(a.kv_cache_memory, a.cpu_kv_cache_fraction, a.tensor_parallel_size))
     return blocks_for_budget(budget, self.bytes_per_block, useful)
 
 @patch
@@ -457,7 +238,7 @@ def _last_hidden(self: ModelRunner, step: StepInputs, kv_cache: torch.Tensor | N
     "Final hidden states `[B, hidden]` at each sequence's last new token (then at the step's prompt_logprob_rows)."
     if (kv_cache is not None and self.graphs is not None and not step.is_prefill
             and self.graphs.can_run(len(step.input_ids))):  # replay a captured decode graph
-        return self.graphs.run(step.input_ids, step.context_lens, step.block_tables)  # the real rows only
+        return self.graphs.run(step)  # the real rows only
     streams = self._num_streams(step) if kv_cache is not None else 1
     if streams > 1:
         return self._streamed_hidden(split_step(step, streams), kv_cache)
@@ -469,7 +250,7 @@ def _hidden_at_last_tokens(self: ModelRunner, step: StepInputs, kv_cache: torch.
     dev = self.device
     input_ids = torch.tensor(step.input_ids, dtype=torch.int64, device=dev)
     positions = torch.tensor(step.positions, dtype=torch.int64, device=dev)
-    hidden = self.model(input_ids, positions, kv_cache, step.metadata(self.block_size, dev))
+    hidden = self.model(input_ids, positions, kv_cache, step.metadata(dev))
     # subtle: logits only at each sequence's last token; the LM head is the costliest layer for small models.
     rows = step.last_token_rows + (step.prompt_logprob_rows or [])
     return hidden[torch.tensor(rows, dtype=torch.int64, device=dev)]
@@ -508,10 +289,9 @@ def _forward(self: ModelRunner, step: StepInputs, kv_cache: torch.Tensor | None)
 
 @patch
 @torch.no_grad()
-def run(self: ModelRunner, step: StepInputs, sampling: SamplingInputs | None = None) -> StepOutput | None:
+def run(self: ModelRunner, step: StepInputs) -> StepOutput | None:
     "Compute one step on this rank; rank 0 returns the sampled token ids (and logprobs), the others None."
-    if self.rank == 0 and sampling is None:
-        raise ValueError("rank 0 needs the step's SamplingInputs to sample")
+    sampling = step.sampling  # rank 0's (notebook 08c): None in a plain greedy step, and on the other ranks
     if step.num_threads is not None and step.num_threads != torch.get_num_threads():
         torch.set_num_threads(step.num_threads)
     hidden, prompt_logprobs = self._last_hidden(step, self.kv_cache), None
@@ -532,7 +312,7 @@ def run(self: ModelRunner, step: StepInputs, sampling: SamplingInputs | None = N
 PROMPT_LOGPROB_ROWS = 512  # prompt rows per LM-head call: bounds its [rows, vocab] float32 logits (300 MB at 150k)
 
 @patch
-def _prompt_logprobs(self: ModelRunner, hidden: torch.Tensor, sampling: SamplingInputs | None) -> list[dict[int, float]] | None:
+def _prompt_logprobs(self: ModelRunner, hidden: torch.Tensor, sampling) -> list[dict[int, float]] | None:
     "Per prompt row: `{token id: logprob}` of the prompt token it predicts and of its most likely ones (rank 0; None on the others)."
     out = []
     for start in range(0, len(hidden), PROMPT_LOGPROB_ROWS):
@@ -544,19 +324,14 @@ def _prompt_logprobs(self: ModelRunner, hidden: torch.Tensor, sampling: Sampling
     return out if self.rank == 0 else None
 
 # %% ../../nbs/11_model_runner.ipynb #076c8c29
-def run_batch(batch: ScheduledBatch, runner: ModelRunner, channel=None, remote=None) -> StepOutput:
-    "Compute one scheduled batch: send it to the workers behind `channel` and `remote` (without waiting), run rank 0's share; the sampled tokens."
-    inputs = StepInputs.from_batch(batch, runner.threads.choose() if runner.threads is not None else None)
+def execute_step(step: StepInputs, runner: ModelRunner, channel=None, remote=None) -> StepOutput:
+    "Compute one step on every rank: send it to the workers behind `channel` and `remote` (without waiting), run rank 0's share; the sampled tokens."
+    policy = runner.threads
+    if policy is not None:  # the CPU's threads, asked again only once the load may have changed (notebook 04b)
+        step.num_threads = policy.choose() if time.monotonic() >= policy.next_check_at else policy.threads
+    # subtle: the workers never sample: they get the step without rank 0's sampling inputs
+    for_workers = replace(step, sampling=None) if step.sampling is not None else step
     for workers in (channel, remote):  # this machine's workers (shared memory), the other machines' (notebook 10a)
         if workers is not None:
-            workers.call("run", inputs, wait=False)
-    return runner.run(inputs, SamplingInputs.from_batch(batch))
-
-def run_until_done(scheduler: Scheduler, runner: ModelRunner, channel=None, max_steps: int = 100_000) -> int:
-    "The engine's loop: schedule, `run_batch`, record the tokens, until every request finishes; the number of steps."
-    for step_no in range(max_steps):
-        if scheduler.is_finished():
-            return step_no
-        batch = scheduler.schedule()
-        scheduler.postprocess(batch, *run_batch(batch, runner, channel))
-    raise RuntimeError(f"requests still unfinished after {max_steps} steps")
+            workers.call("run", for_workers, wait=False)
+    return runner.run(step)

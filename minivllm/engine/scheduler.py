@@ -10,24 +10,18 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..config import check_positive_int, check_token_ids, is_int
+from ..config import check_positive_int, check_token_ids
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
+from .step import SamplingInputs, StepInputs
+from ..sampler import GREEDY_TEMPERATURE
 from ..sampling_params import SamplingParams
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['token_positions', 'context_lengths', 'ScheduledBatch', 'check_fits', 'Scheduler']
+__all__ = ['ScheduledBatch', 'check_fits', 'Scheduler']
 
 # %% ../../nbs/09_scheduler.ipynb #843b0c09
-def token_positions(num_computed_tokens: list[int], num_new_tokens: list[int]) -> list[int]:
-    "The position in its sequence of every new token, sequence after sequence. Example: `([3, 0], [1, 2])` -> `[3, 0, 1]`."
-    return [p for c, n in zip(num_computed_tokens, num_new_tokens) for p in range(c, c + n)]
-
-def context_lengths(num_computed_tokens: list[int], num_new_tokens: list[int]) -> list[int]:
-    "Per sequence: tokens in the cache once a step has stored its new ones."
-    return [c + n for c, n in zip(num_computed_tokens, num_new_tokens)]
-
 @dataclass
 class ScheduledBatch:
     "One step's work: the sequences and, for each, the tokens already in the KV cache and the tokens to compute now."
@@ -41,6 +35,7 @@ class ScheduledBatch:
     samples: list[bool] = field(init=False)  # per sequence: whether this step ends at its last token, so samples one
     # (row of input_ids, sequence index, position of the prompt token whose log-probability the row's logits give)
     prompt_logprob_rows: list[tuple[int, int, int]] = field(init=False)
+    step: StepInputs | None = None  # what the ranks compute (notebook 08c): `schedule` writes it, once
 
     def __post_init__(self):
         if not len(self.seqs) == len(self.num_computed_tokens) == len(self.num_new_tokens):
@@ -58,21 +53,6 @@ class ScheduledBatch:
     def num_batched_tokens(self) -> int:
         "Tokens the forward pass computes: what `max_num_batched_tokens` limits."
         return sum(self.num_new_tokens)
-    @property
-    def block_tables(self) -> list[list[int]]: return [s.block_table for s in self.seqs]
-    @property
-    def context_lens(self) -> list[int]:
-        "Per sequence: tokens in the cache once this step has stored its new ones."
-        return context_lengths(self.num_computed_tokens, self.num_new_tokens)
-    @property
-    def input_ids(self) -> list[int]:
-        "The new tokens of every sequence, concatenated: the forward pass's input."
-        return [t for s, c, n in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens) for t in s.token_ids[c:c + n]]
-    @property
-    def positions(self) -> list[int]:
-        "The position of each token of `input_ids` in its sequence."
-        return token_positions(self.num_computed_tokens, self.num_new_tokens)
-    @property
     def masked_token_ids(self) -> list[list[int]] | None:
         "Per sequence, the tokens it must not sample now: EOS and its stop tokens while it is short of `min_tokens`; None if no sequence is."
         short = [s.num_completion_tokens < s.sampling_params.min_tokens for s in self.seqs]
@@ -81,6 +61,21 @@ class ScheduledBatch:
         # subtle: EOS is held back even with ignore_eos (vLLM does the same): min_tokens means "not before"
         return [sorted(self.eos_token_ids | set(s.sampling_params.stop_token_ids)) if is_short else []
                 for s, is_short in zip(self.seqs, short)]
+
+    def step_inputs(self, block_size: int) -> StepInputs:
+        "The step message of this batch (notebook 08c): read the sequences once, before `Scheduler.postprocess` changes them."
+        # subtle: a request short of its min_tokens is greedy over logits whose EOS and stop tokens are masked out,
+        # which the LM head's argmax of every rank's shard cannot do
+        greedy = all(s.sampling_params.temperature < GREEDY_TEMPERATURE and not s.sampling_params.needs_logits
+                     and s.num_completion_tokens >= s.sampling_params.min_tokens for s in self.seqs)
+        sampling = None if greedy and not self.prompt_logprob_rows else SamplingInputs.from_seqs(
+            self.seqs, self.masked_token_ids(), self.prompt_logprob_rows)
+        new_token_ids = [s.token_ids[c:c + n] for s, c, n in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)]
+        return StepInputs.build(self.is_prefill, new_token_ids, list(self.num_computed_tokens),
+                                [list(s.block_table) for s in self.seqs], block_size, greedy=greedy,
+                                prompt_logprob_rows=[row for row, _, _ in self.prompt_logprob_rows] or None,
+                                sampling=sampling)
+
 
 # %% ../../nbs/09_scheduler.ipynb #2aeb845c
 def check_fits(prompt_len: int, max_tokens: int | None, max_model_len: int, num_blocks: int, block_size: int,
@@ -168,7 +163,9 @@ def schedule(self: Scheduler) -> ScheduledBatch:
     "The next step's batch: a prefill batch if there is prompt to compute and room for it, else a decode batch."
     if self.is_finished():
         raise RuntimeError("nothing to schedule: every sequence has finished (check is_finished() first)")
-    return self._schedule_prefill() or self._schedule_decode()
+    batch = self._schedule_prefill() or self._schedule_decode()
+    batch.step = batch.step_inputs(self.block_manager.block_size)  # the one description of the step (notebook 08c)
+    return batch
 
 @patch
 def _schedule_prefill(self: Scheduler) -> ScheduledBatch | None:
@@ -254,7 +251,7 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
         if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != computed:
             raise RuntimeError(f"sequence {seq.seq_id} changed since this batch was scheduled: call postprocess "
                                "exactly once for each batch, before the next schedule()")
-        if samples and (not is_int(token) or token < 0):
+        if samples and (type(token) is not int or token < 0):  # subtle: the runner's tokens come from `.tolist()`
             raise ValueError(f"the token sampled for sequence {seq.seq_id} must be a token id (an integer >= 0), "
                              f"got {token!r}")
         if samples and seq.logprobs is not None and not (logprobs and isinstance(logprobs[i], dict)):

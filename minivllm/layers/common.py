@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import cpu
 from ..config import Config, rope_type
 
 # %% auto #0
@@ -24,6 +23,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.kernel = None  # the C++ add_rms_norm once `use_kernels` bound it (notebook 04a); None: torch's operations
+
+    def use_kernels(self, ops) -> None:
+        "Run on the C++ operators `ops` (`cpu.layer_ops_for`; None: torch's), chosen once when the model is built."
+        self.kernel = None if ops is None else ops.add_rms_norm
 
     def rms_norm(self, x: torch.Tensor) -> torch.Tensor:
         "Normalise in float32, round to `x`'s dtype, then scale by the weight; exactly as Hugging Face does."
@@ -37,9 +41,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         "`norm(x)`; or, given `residual`, `(norm(x + residual), x + residual)`: the new residual is the sum."
-        if (cpu.use_cpu_kernels(x) and self.weight.dtype == x.dtype
-                and (residual is None or residual.dtype == x.dtype)):  # one C++ loop, HF's roundings (notebook 04a)
-            return cpu.add_rms_norm(x, residual, self.weight, self.eps)
+        if self.kernel is not None:  # one C++ loop, HF's roundings (notebook 04a)
+            out = self.kernel(x, residual, self.weight, self.eps)
+            return out[0] if residual is None else (out[0], out[1])
         if residual is None:
             return self.rms_norm(x)
         x = x + residual  # subtle: in the model dtype, like HF's `residual + hidden_states`
@@ -51,11 +55,19 @@ class RMSNorm(nn.Module):
 # %% ../../nbs/05_layers.ipynb #ba43d76f
 class SiluAndMul(nn.Module):
     "`silu(x[..., :d]) * x[..., d:]` for `x` of width `2d` (the merged gate/up output)."
+    def __init__(self):
+        super().__init__()
+        self.kernel = None  # the C++ silu_and_mul once `use_kernels` bound it (notebook 04a); None: torch's operations
+
+    def use_kernels(self, ops) -> None:
+        "Run on the C++ operators `ops` (`cpu.layer_ops_for`; None: torch's), chosen once when the model is built."
+        self.kernel = None if ops is None else ops.silu_and_mul
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:  # one C++ loop (notebook 04a); a model's gate|up widths are even
+            return self.kernel(x)
         if x.shape[-1] % 2:
             raise ValueError(f"SiluAndMul needs an even last dimension ([gate | up]), got shape {tuple(x.shape)}")
-        if cpu.use_cpu_kernels(x):  # float32 or bfloat16 on the CPU: one C++ loop (notebook 04a)
-            return cpu.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -102,6 +114,20 @@ class RotaryEmbedding(nn.Module):
         angles = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq
         # not saved in state_dict: it is derived from the config, and checkpoints do not hold it.
         self.register_buffer("cos_sin_cache", torch.cat(checked_cos_sin(angles), dim=-1), persistent=False)
+        self.kernel = None  # the C++ rotary_embedding once `use_kernels` bound it (notebook 04a); None: torch's operations
+        self.in_model = False  # whether a model chose its implementation: then positions are those the engine admitted
+
+    def use_kernels(self, ops) -> None:
+        "Run on the C++ operators `ops` (`cpu.layer_ops_for`; None: torch's), chosen once when the model is built."
+        self.check_table()
+        self.kernel = None if ops is None else ops.rotary_embedding
+        self.in_model = True
+
+    def check_table(self) -> None:
+        "Raise if the cos/sin table is not float32 (the module was cast)."
+        if self.cos_sin_cache.dtype != torch.float32:
+            raise TypeError(f"the cos/sin table is {self.cos_sin_cache.dtype}, not float32: the module was cast with "
+                            ".to(dtype); build the model under torch.set_default_dtype(dtype) instead of casting it")
 
     def check_positions(self, positions: torch.Tensor) -> None:
         "Raise if `positions` is not a 1-d integer tensor of positions in `[0, max_position)`."
@@ -132,21 +158,17 @@ class RotaryEmbedding(nn.Module):
         "Rotate `q` and `k` by their tokens' `positions` with torch's operations: transformers' bits in every dtype."
         # subtle: on an accelerator this check would stall the host once per layer (and cannot run inside CUDA-graph
         # capture); there an out-of-range position trips the indexing kernel's own bounds assert instead.
-        if positions.device.type == "cpu":
-            self.check_positions(positions)
+        if not self.in_model:  # a module used on its own; a model's engine checks lengths at its doors
+            self.check_table()
+            if positions.device.type == "cpu":
+                self.check_positions(positions)
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         "Rotate `q` and `k` (`[T, heads, head_dim]` or `[T, heads*head_dim]`) by their tokens' `positions` `[T]`."
-        if self.cos_sin_cache.dtype != torch.float32:
-            raise TypeError(f"the cos/sin table is {self.cos_sin_cache.dtype}, not float32: the module was cast with "
-                            ".to(dtype); build the model under torch.set_default_dtype(dtype) instead of casting it")
-        if cpu.use_cpu_kernels(q) and k.dtype == q.dtype:  # float32 or bfloat16 on the CPU (notebook 04a)
-            try:
-                return cpu.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim)
-            except (RuntimeError, ValueError):
-                pass  # a position or layout the kernel refuses: the torch path below says what is wrong
+        if self.kernel is not None:  # one C++ loop (notebook 04a), over the positions the engine admitted
+            return self.kernel(positions, q, k, self.cos_sin_cache, self.head_dim)
         return self.rotate(positions, q, k)
 
     def extra_repr(self) -> str:
@@ -155,8 +177,10 @@ class RotaryEmbedding(nn.Module):
 
 # %% ../../nbs/05_layers.ipynb #eddc673a
 @lru_cache(maxsize=8)
-def _shared_rope(head_dim: int, max_position: int, base: float, scaling: tuple | None, device: str) -> RotaryEmbedding:
+def _shared_rope(head_dim: int, max_position: int, base: float, scaling: tuple | None, device: str,
+                 dtype: torch.dtype) -> RotaryEmbedding:
     "One `RotaryEmbedding` per distinct set of arguments (the table is read-only, so layers can share it)."
+    # subtle: the model's dtype is part of the key: a model binds its operators to the shared module (`use_kernels`)
     return RotaryEmbedding(head_dim, max_position, base, dict(scaling) if scaling else None)
 
 def get_rope(config: Config) -> RotaryEmbedding:
@@ -165,4 +189,4 @@ def get_rope(config: Config) -> RotaryEmbedding:
     rope_type(scaling)  # a clear error before hashing an unsupported config
     key = tuple(sorted(scaling.items())) if scaling else None
     return _shared_rope(config.head_dim, config.max_position_embeddings, float(config.rope_theta), key,
-                        str(torch.get_default_device()))
+                        str(torch.get_default_device()), torch.get_default_dtype())

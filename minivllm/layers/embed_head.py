@@ -13,11 +13,10 @@ from fastcore.basics import patch
 from torch import nn
 
 from .. import cpu
-from ..config import check_token_ids
 from ..distributed import Communicator, divide
 
 # %% auto #0
-__all__ = ['pad_vocab_size', 'vocab_range', 'check_input_ids', 'VocabParallelEmbedding', 'first_max', 'ParallelLMHead']
+__all__ = ['pad_vocab_size', 'vocab_range', 'VocabParallelEmbedding', 'first_max', 'ParallelLMHead']
 
 # %% ../../nbs/04_vocab_embedding.ipynb #ec0c8de8
 def pad_vocab_size(num_embeddings: int, tp_size: int) -> int:
@@ -32,14 +31,6 @@ def vocab_range(num_embeddings: int, tp_rank: int, tp_size: int) -> tuple[int, i
     per_rank = pad_vocab_size(num_embeddings, tp_size) // tp_size
     # subtle: clamp both ends, so that with a tiny vocabulary a rank may own no ids at all (start == end).
     return min(tp_rank * per_rank, num_embeddings), min((tp_rank + 1) * per_rank, num_embeddings)
-
-# %% ../../nbs/04_vocab_embedding.ipynb #87f493bd
-def check_input_ids(input_ids: torch.Tensor, num_embeddings: int) -> None:
-    "Raise if `input_ids` is not an integer tensor of ids in `[0, num_embeddings)`: `check_token_ids` on its extremes."
-    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-        raise TypeError(f"token ids must be an integer tensor, got {input_ids.dtype}")
-    if input_ids.numel() == 0: return
-    check_token_ids([int(v) for v in input_ids.aminmax()], num_embeddings, what="input")
 
 # %% ../../nbs/04_vocab_embedding.ipynb #f20466e2
 class VocabParallelEmbedding(nn.Module):
@@ -71,7 +62,6 @@ class VocabParallelEmbedding(nn.Module):
 
     def embed_local(self, input_ids: torch.Tensor) -> torch.Tensor:
         "This rank's part of the embeddings: its rows for the ids it owns, zeros for the others."
-        if input_ids.device.type == "cpu": check_input_ids(input_ids, self.num_embeddings)
         if self.tp_size == 1: return F.embedding(input_ids, self.weight)
         mine = (input_ids >= self.vocab_start_idx) & (input_ids < self.vocab_end_idx)
         local_ids = torch.where(mine, input_ids - self.vocab_start_idx, 0)
@@ -107,11 +97,16 @@ class ParallelLMHead(VocabParallelEmbedding):
         else:
             self.register_parameter("bias", None)
         self.packed: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None  # the CPU's packed copy (see "On the CPU")
+        self.argmax = None  # the C++ argmax_rows once `use_kernels` bound it (notebook 04a); None: `first_max`
+
+    def use_kernels(self, ops) -> None:
+        "Take each row's first maximum with the C++ operators `ops` (`cpu.layer_ops_for`; None: torch's), chosen once."
+        self.argmax = None if ops is None else ops.argmax_rows
 
     def local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         "This rank's slice of the logits, `[..., num_embeddings_per_rank]` (padding columns included)."
-        if self.packed is not None:
-            return self.packed(hidden_states, self.bias)
+        if self.packed is not None:  # subtle: packed for this table's width: no size to check
+            return self.packed.multiply(hidden_states, self.bias)
         return F.linear(hidden_states, self.weight, self.bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
@@ -125,9 +120,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     def greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         "`forward(hidden_states).argmax(-1)` on rank 0 (None elsewhere), gathering one (logit, id) pair per row and rank."
         logits = self.local_logits(hidden_states)[..., :self.vocab_end_idx - self.vocab_start_idx]  # no padding
-        if self.tp_size == 1: return first_max(logits)
+        if self.tp_size == 1: return first_max(logits) if self.argmax is None else self.argmax(logits)
         if logits.shape[-1]:
-            ids = first_max(logits)
+            ids = first_max(logits) if self.argmax is None else self.argmax(logits)
             best = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
         else:  # a rank of padding only owns no ids
             best = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)

@@ -58,8 +58,8 @@ class LinearBase(nn.Module):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         "`x Wᵀ + bias` with this rank's weight shard: `F.linear`, or the packed weight's GEMM once packed."
-        if self.packed is not None:
-            return self.packed(x, bias)
+        if self.packed is not None:  # subtle: the weight was packed for this layer's width: no size to check
+            return self.packed.multiply(x, bias)
         # a 16-bit row-parallel shard at TP > 1 multiplies its weight in float32 (RowParallelLinear)
         return F.linear(x, self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype), bias)
 

@@ -17,12 +17,13 @@ from ..config import model_folder
 from ..distributed import process_state
 from .core import (Abort, AddRequest, EngineCoreGone, EngineCoreProcess, EngineStats, Failed, Ping, Pong,
                                   Rejected, StepOutputs, rebuild_error)
-from ..engine.model_runner import EngineArgs
+from ..engine.args import EngineArgs
 from ..engine.scheduler import check_fits
 from ..sampling_params import SamplingParams
-from ..engine.sequence import Sequence, SequenceStatus
-from ..engine.llm_engine import logger
-from ..llm import CompletionOutput, Request, RequestOutput, check_params_for_model, encode_prompt, load_tokenizer
+from ..engine.llm_engine import check_params_for_vocab
+from ..logger import configure_logging, logger
+from ..outputs import (CompletionDelta, CompletionOutput, Request, RequestOutput, check_params_for_tokenizer,
+                              encode_prompt, load_tokenizer)
 from ..sampling_params import ParamError
 from fastcore.basics import patch
 
@@ -101,6 +102,7 @@ class AsyncLLM:
                  max_stop_string_chars: int = MAX_STOP_STRING_CHARS, **engine_kwargs):
         # stream_interval: a request's news goes out every that many tokens (and its first tokens and its end at
         # once), as vLLM's --stream-interval: fewer, larger deltas cost the front end less per token
+        configure_logging()  # the engine's notices on stderr, unless this program configured logging (notebook 00a)
         if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be a whole number of tokens >= 1, got {stream_interval!r}")
         self.stream_interval = stream_interval
@@ -150,9 +152,8 @@ class AsyncLLM:
         params = sampling_params if sampling_params is not None else SamplingParams()
         text, ids = self.check(prompt, params, must_fit)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        # the core's sequences, mirrored: the deltas of the core extend them, and Request makes text of them
-        seqs = [Sequence(i, ids, params) for i in range(params.n)]
-        request = Request(request_id, prompt_text if prompt_text is not None else text, seqs, self.tokenizer, True)
+        # the core's deltas come to it (the output thread), and it makes text of them
+        request = Request(request_id, prompt_text if prompt_text is not None else text, ids, params, self.tokenizer, True)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if self._ended:  # subtle: the engine ended after the check above; nobody would ever answer this stream
@@ -183,7 +184,8 @@ class AsyncLLM:
         "`(text, token_ids)` of a request the engine core would take; `ValueError` saying why it would refuse it."
         check_stop_strings(params.stop, self.max_stop_strings, self.max_stop_string_chars)  # before any tokenizing
         text, ids = encode_prompt(prompt, self.tokenizer, self.config.vocab_size, self.args.model)
-        check_params_for_model(params, self.tokenizer, self.config.vocab_size, self.args.model)
+        check_params_for_tokenizer(params, self.tokenizer, self.args.model)
+        check_params_for_vocab(params, self.config.vocab_size)  # the core's own check (notebook 11b), here at once
         # subtle: the scheduler's own rule (notebook 09), so that a batch of prompts is judged whole before any runs
         check_fits(len(ids), params.max_tokens, self.args.max_model_len, self.core.num_blocks,
                    self.args.kvcache_block_size, must_fit)
@@ -196,9 +198,8 @@ class AsyncLLM:
         if entry is None:
             return
         request, stream = entry
-        for seq in request.seqs:
-            if not seq.is_finished:
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        for i in range(len(request.token_ids)):  # what the core says of a completion it stops (those ended ignore it)
+            request.add(CompletionDelta(request_id, i, [], finish_reason="abort"))
         self._send(Abort(request_id))
         stream.put(request.delta() or request.output())
 
@@ -260,25 +261,13 @@ def _receive_loop(self: AsyncLLM) -> None:
 
 @patch
 def _deliver(self: AsyncLLM, outputs: StepOutputs) -> None:
-    "Extend each named request's sequences with a step's new tokens; give every request with news its delta."
+    "Hand a step's deltas to their requests; give every request with news its own delta (`Request.delta`)."
     news, stops, touched = {}, [], {}
     with self._lock:
         for d in outputs.deltas:
             if (entry := self._live.get(d.request_id)) is None:  # aborted here, or ended by a stop string
                 continue
-            seq = entry[0].seqs[d.index]
-            if seq.is_finished:
-                continue
-            seq.token_ids.extend(d.token_ids)
-            if d.logprobs is not None and seq.logprobs is not None:
-                seq.logprobs.extend(d.logprobs)
-            if d.prompt_logprobs is not None:
-                seq.prompt_logprobs = d.prompt_logprobs
-            seq.num_cached_tokens = d.num_cached_tokens
-            if d.finish_reason is not None:
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, d.finish_reason
-            if entry[0].update(d.index) and not seq.is_finished:  # a stop string ended the text here
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "stop"
+            if entry[0].add(d):  # a stop string ended the text here: the core is to stop that completion
                 stops.append(Abort(d.request_id, d.index, "stop"))
             touched[d.request_id] = entry
         for request_id, (request, stream) in touched.items():
@@ -301,7 +290,7 @@ def _due(self: AsyncLLM, request: Request) -> bool:
     "Whether a request's news goes out now: its first tokens, its end, or `stream_interval` tokens since the last."
     sent = sum(request.sent_tokens)
     return (request.is_finished or sent == 0 or self.stream_interval == 1
-            or sum(s.num_completion_tokens for s in request.seqs) - sent >= self.stream_interval)
+            or sum(map(len, request.token_ids)) - sent >= self.stream_interval)
 
 # %% ../../nbs/13b_async_llm.ipynb #7ee64e43
 def _settle(future: asyncio.Future) -> None:

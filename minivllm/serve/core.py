@@ -21,16 +21,18 @@ import zmq
 
 from ..distributed import RankFailure, RankProcess, process_state
 from ..engine.ipc import OWNER_FOLDER_ENV
-from ..engine.llm_engine import LLMEngine, logger
+from ..engine.llm_engine import LLMEngine
 from ..engine.sequence import Sequence
+from ..logger import configure_logging, logger
+from ..outputs import CompletionDelta, sequence_delta
 from ..sampling_params import SamplingParams
 from ..shm import sweep_stale_segments
 from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['EngineInput', 'EngineOutput', 'ERRORS', 'SOCKET_FOLDER_PREFIX', 'IDLE_WAIT_S', 'AddRequest', 'Abort', 'Shutdown',
-           'Ping', 'EngineStats', 'CompletionDelta', 'StepRecord', 'StepOutputs', 'Rejected', 'Ready', 'Pong', 'Failed',
-           'rebuild_error', 'decode_input', 'EngineCore', 'engine_core_loop', 'remove_socket_folder', 'run_engine_core',
+           'Ping', 'EngineStats', 'StepRecord', 'StepOutputs', 'Rejected', 'Ready', 'Pong', 'Failed', 'rebuild_error',
+           'decode_input', 'EngineCore', 'engine_core_loop', 'remove_socket_folder', 'run_engine_core',
            'EngineCoreGone', 'EngineCoreProcess']
 
 # %% ../../nbs/13a_engine_core.ipynb #65223322
@@ -69,16 +71,6 @@ class EngineStats:
     preemptions: int = 0
     steps: int = 0
     peak_running: int = 0  # the most sequences one step has computed together
-
-class CompletionDelta(msgspec.Struct, array_like=True):
-    "What one step added to one completion: its new token ids (with their logprobs, when asked) and its end."
-    request_id: str
-    index: int  # which of the request's n completions
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # None while it runs
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # the prompt's, when asked: with the first delta
 
 class StepRecord(msgspec.Struct, array_like=True):
     "When one step ran (`time.perf_counter()`, the same clock in every process of the machine), its kind and requests."
@@ -213,16 +205,12 @@ def step(self: EngineCore) -> StepOutputs:
             continue
         request_id, i = owner
         seq = self.requests[request_id][i]
-        sent = self.sent[seq_id]
-        new = seq.token_ids[seq.num_prompt_tokens + sent:]
         requests.append(request_id)
-        if not new and not seq.is_finished:  # a chunk of a long prompt: nothing sampled yet
+        delta = sequence_delta(seq, request_id, i, self.sent[seq_id])
+        if not delta.token_ids and delta.finish_reason is None:  # a chunk of a long prompt: nothing sampled yet
             continue
-        self.sent[seq_id] = sent + len(new)
-        logprobs = seq.logprobs[sent:] if seq.logprobs is not None else None
-        prompt_logprobs = seq.prompt_logprobs if sent == 0 and new and seq.prompt_logprobs is not None else None
-        deltas.append(CompletionDelta(request_id, i, new, logprobs, seq.finish_reason if seq.is_finished else None,
-                                      seq.num_cached_tokens, prompt_logprobs))
+        self.sent[seq_id] += len(delta.token_ids)
+        deltas.append(delta)
         if seq.is_finished:
             self._forget(seq_id)
     c = self.counts
@@ -278,6 +266,7 @@ def remove_socket_folder(address: str) -> None:
 
 def run_engine_core(engine_kwargs: dict, inbox_address: str, outbox_address: str, record_steps: bool = False) -> None:
     "The engine-core process: build the engine (token ids only), say `Ready` or `Failed`, then loop until told to stop."
+    configure_logging()  # a program of its own: its notices on its stderr, which the front end's process forwards
     parent_pid = os.getppid()
     context = zmq.Context()
     inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)

@@ -39,8 +39,8 @@ from .async_llm import AsyncLLM
 from ..config import check_text
 from ..distributed import listen_socket
 from ..sampling_params import SamplingParams
-from ..engine.llm_engine import logger
-from ..llm import CompletionOutput, RequestOutput, load_tokenizer
+from ..logger import logger
+from ..outputs import CompletionOutput, RequestOutput, load_tokenizer
 from fastcore.basics import patch
 
 # %% auto #0
