@@ -51,7 +51,7 @@ SHAPES = {  # real models' shapes, for random-weight checkpoints of the same cos
 
 def add_packaged_tokenizer(path: str | Path) -> Path:
     "Copy the packaged model's tokenizer into checkpoint `path`, whose vocabulary must hold the tokenizer's ids."
-    from minivllm.config import DEFAULT_MODEL, TOKENIZER_FILES
+    from minivllm.model_source import DEFAULT_MODEL, TOKENIZER_FILES
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     tokens = len(json.loads((DEFAULT_MODEL / "tokenizer.json").read_text())["model"]["vocab"])
     if tokens > vocab:
@@ -71,7 +71,7 @@ def random_checkpoint(shape: str, cache: str | Path | None = None) -> Path:
         print(f"building a random-weight {shape} checkpoint in {path} (once)", file=sys.stderr, flush=True)
         kw = dict(SHAPES[shape])
         make_tiny_checkpoint(path, kw.pop("model_type"), initializer_range=0.02, **kw)
-    from minivllm.config import has_tokenizer
+    from minivllm.model_source import has_tokenizer
     if not has_tokenizer(path):  # subtle: also a checkpoint built before its shapes came with a tokenizer
         add_packaged_tokenizer(path)
     return path

@@ -40,7 +40,7 @@ def split_model_and_prompts(model: str | None, prompts: list[str]) -> tuple[str 
 
 def check_tokenizer(folder: Path, chat: bool) -> None:
     "Raise `ValueError`, before the model loads, if `folder` cannot encode text or (`chat`) has no chat template."
-    from minivllm.config import TOKENIZER_FILES, has_tokenizer
+    from minivllm.model_source import TOKENIZER_FILES, has_tokenizer
     if not has_tokenizer(folder):
         raise ValueError(f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), so it cannot encode "
                          "text prompts: use a checkpoint folder that includes its tokenizer files")
@@ -330,7 +330,8 @@ def _dtype(a: argparse.Namespace) -> str | None:
 
 def _generate_command(a: argparse.Namespace) -> int:
     "`minivllm generate`: complete the prompts and print them with their completions (streamed on a terminal)."
-    from minivllm.config import Config, model_folder
+    from minivllm.config import Config
+    from minivllm.model_source import model_folder
     from minivllm.llm import LLM
     from minivllm.sampling_params import SamplingParams
     from tqdm.auto import tqdm
@@ -425,7 +426,8 @@ def _serve_command(a: argparse.Namespace) -> int:
     template = a.chat_template
     if template is not None and "{" not in template:  # a file's path (a template always holds a Jinja tag)
         template = Path(template).read_text()
-    from minivllm.config import Config, model_folder
+    from minivllm.config import Config
+    from minivllm.model_source import model_folder
     from minivllm.serve.server import serve
     folder = model_folder(model)
     Config.from_pretrained(folder, tensor_parallel_size=a.tp, dtype=_dtype(a))  # no weights needed: before anything binds
@@ -449,7 +451,7 @@ def _worker_command(a: argparse.Namespace) -> int:
     "`minivllm worker`: serve this machine's ranks of an engine started with --nnodes, until it closes."
     if not 1 <= a.master_port <= 65535:
         raise ValueError(f"--master-port must be from 1 to 65535 (the engine prints it), got {a.master_port}")
-    from minivllm.config import resolve_model
+    from minivllm.model_source import resolve_model
     from minivllm.engine.args import EngineArgs
     from minivllm.engine.model_runner import ModelRunner
     from minivllm.cluster.multinode import run_node

@@ -8,20 +8,17 @@ from __future__ import annotations
 import json
 import operator
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import importlib.resources
 
 import torch
 
 # %% auto #0
-__all__ = ['SUPPORTED_ROPE_TYPES', 'SUPPORTED_MODEL_TYPES', 'INT_FIELDS', 'INT64_MAX', 'TOKENIZER_FILES', 'HUB_FILE_PATTERNS',
-           'DEFAULT_MODEL', 'rope_from_hf', 'rope_type', 'parse_dtype', 'dtype_from_hf', 'valid_tp_sizes',
-           'check_tensor_parallel', 'is_int', 'is_positive_int', 'check_positive_int', 'check_known_fields',
-           'check_token_ids', 'check_text', 'Config', 'rank_bytes', 'ram_bytes', 'gpu_bytes', 'check_fits_memory',
-           'resolve_model', 'model_folder', 'has_tokenizer']
+__all__ = ['SUPPORTED_ROPE_TYPES', 'SUPPORTED_MODEL_TYPES', 'INT_FIELDS', 'INT64_MAX', 'rope_from_hf', 'rope_type', 'parse_dtype',
+           'dtype_from_hf', 'valid_tp_sizes', 'check_tensor_parallel', 'is_int', 'is_positive_int',
+           'check_positive_int', 'check_known_fields', 'check_token_ids', 'check_text', 'Config', 'rank_bytes',
+           'ram_bytes', 'gpu_bytes', 'check_fits_memory']
 
 # %% ../nbs/00_config.ipynb #ca7288cb
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -356,69 +353,3 @@ def _config_from_pretrained(path: str | Path, tensor_parallel_size: int = 1,
 
 Config.from_hf_dict = staticmethod(_config_from_hf_dict)
 Config.from_pretrained = staticmethod(_config_from_pretrained)
-
-# %% ../nbs/00_config.ipynb #b56fdf21
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # any one of them: a tokenizer
-HUB_FILE_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-                     *TOKENIZER_FILES, "special_tokens_map.json", "vocab.json", "merges.txt",
-                     "chat_template.jinja"]  # what minivllm reads from a hub model
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # org/name, as the hub spells repo ids
-
-def _env_flag(name: str) -> bool:
-    "Whether the environment variable `name` is set to a true value (1, on, yes, true), as huggingface_hub reads it."
-    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
-
-def _first_line(error: BaseException) -> str:
-    "`Type: first line of the message`: an exception in one line."
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-
-def resolve_model(model: str | Path) -> Path:
-    "The checkpoint folder for `model`: an existing path as is, or a hub id `org/name` from the local cache or the hub."
-    path = Path(model).expanduser()
-    if path.exists():
-        return path
-    repo_id = str(model)
-    if not _HUB_ID.fullmatch(repo_id) or "--" in repo_id or ".." in repo_id:
-        raise FileNotFoundError(f"checkpoint folder {path} does not exist: pass the folder that holds config.json "
-                                "and the *.safetensors files of a Hugging Face checkpoint, or a hub id such as "
-                                "Qwen/Qwen3-0.6B")
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-    # subtle: huggingface_hub reads HF_HUB_CACHE and HF_HUB_OFFLINE once, when it is imported; read them now instead.
-    cache_dir = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
-    try:
-        cached = Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=HUB_FILE_PATTERNS,
-                                        cache_dir=cache_dir))
-        # subtle: loading only the tokenizer (say, with transformers) caches a snapshot without weights.
-        if (cached / "config.json").is_file() and any(cached.glob("*.safetensors")):
-            return cached
-    except LocalEntryNotFoundError:
-        pass  # not cached: download it
-    if _env_flag("HF_HUB_OFFLINE") or _env_flag("TRANSFORMERS_OFFLINE"):
-        reason = "HF_HUB_OFFLINE is set"
-    else:
-        try:
-            return Path(snapshot_download(repo_id, allow_patterns=HUB_FILE_PATTERNS, cache_dir=cache_dir))
-        except Exception as e:  # no network, no such repo, a gated repo, a full disk: each is reported, in one line
-            reason = _first_line(e)
-    raise FileNotFoundError(f"no folder {path} exists, the Hugging Face model {repo_id} is not in the local cache "
-                            f"({cache_dir}), and it could not be downloaded ({reason}): run `hf download {repo_id}` "
-                            "(`huggingface-cli download` in older huggingface_hub) on a machine with internet and "
-                            "copy its cache folder here, or pass a local checkpoint folder")
-
-# %% ../nbs/00_config.ipynb #f82b11ed
-DEFAULT_MODEL = Path(str(importlib.resources.files("minivllm"))) / "default_model"  # the small model this package ships
-
-def model_folder(model: str | Path | None) -> Path:
-    "The checkpoint folder of `model` (a folder or a hub id, `resolve_model`), or the packaged model when it is None."
-    if model is not None:
-        return resolve_model(model)
-    if not DEFAULT_MODEL.exists():
-        raise FileNotFoundError(f"the package's default model is missing from {DEFAULT_MODEL}: reinstall minivllm, "
-                                "or name a checkpoint folder")
-    return DEFAULT_MODEL
-
-def has_tokenizer(folder: Path) -> bool:
-    "Whether the checkpoint folder holds a tokenizer (any of `TOKENIZER_FILES`)."
-    return any((Path(folder) / name).exists() for name in TOKENIZER_FILES)

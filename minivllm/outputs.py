@@ -11,7 +11,8 @@ from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, NamedTuple
 
-from .config import check_text, check_token_ids, has_tokenizer, is_int
+from .config import check_text, check_token_ids, is_int
+from .model_source import has_tokenizer
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # for the annotations only: a sequence is read here, never made

@@ -37,7 +37,7 @@ from .engine.sequence import SequenceStatus
 from .attention import Attention, store_kvcache
 from .kv_cache import allocate_kv_cache, decode_metadata, prefill_metadata, slot_mapping
 from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from .config import DEFAULT_MODEL
+from .model_source import DEFAULT_MODEL
 from .llm import LLM
 from .models import CausalLM
 from .cluster.wire import ClusterKey

@@ -18,7 +18,7 @@ import pytest
 
 from minivllm import __version__
 from minivllm.cli import main, make_parser
-from minivllm.config import DEFAULT_MODEL
+from minivllm.model_source import DEFAULT_MODEL
 from minivllm.bench.workload import ServerProcess, default_sigint
 from minivllm.testing import gone, make_tiny_checkpoint, rank_processes, wait_until
 

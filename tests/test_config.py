@@ -4,7 +4,8 @@ import shutil
 
 import pytest
 
-from minivllm.config import INT_FIELDS, Config, resolve_model
+from minivllm.config import INT_FIELDS, Config
+from minivllm.model_source import resolve_model
 from minivllm.testing import make_tiny_checkpoint
 
 QWEN3 = {"model_type": "qwen3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -9,7 +9,7 @@ import transformers
 
 from minivllm import LLM, SamplingParams
 from minivllm.kv_cache import prefill_metadata
-from minivllm.config import DEFAULT_MODEL
+from minivllm.model_source import DEFAULT_MODEL
 from minivllm.models import load_model
 
 PROMPTS = ["ROMEO.", "To be, or not to be, that is", "KING HENRY.\nMy lords, we", "And God said"]

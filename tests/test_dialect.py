@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from minivllm import LLM, SamplingParams
-from minivllm.config import DEFAULT_MODEL
+from minivllm.model_source import DEFAULT_MODEL
 from minivllm.sampling_params import ParamError
 
 

@@ -333,7 +333,7 @@ def test_two_engines_side_by_side(tiny):
 def test_a_checkpoint_without_tokenizer_json_names_the_file_and_the_folder(tmp_path):
     "tokenizer_config.json but no tokenizer.json: the error names both, not transformers' sentencepiece or tiktoken."
     import shutil
-    from minivllm.config import DEFAULT_MODEL
+    from minivllm.model_source import DEFAULT_MODEL
     folder = tmp_path / "no-tokenizer-json"
     shutil.copytree(DEFAULT_MODEL, folder)
     (folder / "tokenizer.json").unlink()

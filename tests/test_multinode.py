@@ -98,7 +98,7 @@ def test_the_packaged_model_on_two_hosts():
     n = len(long_prompts)
     prefill = StepInputs.build(True, long_prompts, [0] * n, [list(range(63))] * n, block_size=16)
     assert len(CommandCodec(ModelRunner.COMMANDS).encode("run", prefill)) > INLINE_BYTES
-    from minivllm.config import DEFAULT_MODEL
+    from minivllm.model_source import DEFAULT_MODEL
     port = free_port()
     with WorkerNode("127.0.0.1", port) as node:
         with LLM(DEFAULT_MODEL, tensor_parallel_size=4, nnodes=2, master_port=port, dtype="float32") as llm:

@@ -19,7 +19,7 @@ from minivllm.bench.workload import Workload, device_name
 from minivllm.checkpoints import SHAPES, random_checkpoint
 from minivllm.config import Config
 from minivllm.cpu.gemm import cpu_model
-from minivllm.config import DEFAULT_MODEL
+from minivllm.model_source import DEFAULT_MODEL
 
 
 def main():

@@ -36,7 +36,7 @@ def measure(steps: int = 7) -> dict:
     from minivllm.config import Config
     from minivllm.engine.scheduler import ScheduledBatch
     from minivllm.engine.step import StepInputs
-    from minivllm.config import DEFAULT_MODEL
+    from minivllm.model_source import DEFAULT_MODEL
     from minivllm.llm import LLM
     work = Workload.make(Config.from_pretrained(DEFAULT_MODEL).vocab_size)
     longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens))

@@ -177,7 +177,7 @@ class VllmServer:
     def __init__(self, python: str | Path, model: str | Path, dtype: str = "float32", max_model_len: int = 1024,
                  timeout_s: float = 900.0, stream_interval: int = 1):
         import httpx
-        from minivllm.config import has_tokenizer
+        from minivllm.model_source import has_tokenizer
         from minivllm.distributed import free_port
         port = free_port()
         self.url, self.log = f"http://127.0.0.1:{port}", tempfile.TemporaryFile("w+")
@@ -231,7 +231,7 @@ VLLM_BENCH_SERVE = ("from vllm.benchmarks.serve import add_cli_args, main; "
 
 def check_vllm_client(a: argparse.Namespace, model: Path) -> None:
     "Raise `ValueError`, before any server starts, if vLLM's client (`--vllm-client`) cannot run this benchmark."
-    from minivllm.config import has_tokenizer
+    from minivllm.model_source import has_tokenizer
     if a.input_len[0] != a.input_len[1] or a.output_len[0] != a.output_len[1]:
         raise ValueError("vLLM's client gives every request the same lengths: with --vllm-client, give --input-len N N "
                          "and --output-len M M (e.g. --input-len 128 128 --output-len 128 128)")
@@ -384,7 +384,8 @@ def ratios(runs: list[dict], offline: list[float]) -> list[str]:
 # %% ../../nbs/14a_bench_serve.ipynb #e6e3540b
 def run(a: argparse.Namespace) -> int:
     "`minivllm bench serve`: the seeded workload sent to each server at each request rate; throughput, TTFT and TPOT."
-    from minivllm.config import Config, model_folder
+    from minivllm.config import Config
+    from minivllm.model_source import model_folder
     model = random_checkpoint(a.random_shape) if a.random_shape else model_folder(a.model)
     if a.vllm_client:
         check_vllm_client(a, model)

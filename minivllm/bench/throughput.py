@@ -231,7 +231,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(a: argparse.Namespace) -> int:
     "`minivllm bench`: minivllm against transformers on one seeded workload, from the parsed options."
     from minivllm.config import Config
-    from minivllm.config import model_folder
+    from minivllm.model_source import model_folder
     model = random_checkpoint(a.random_shape) if a.random_shape else model_folder(a.model)
     workload = Workload.make(Config.from_pretrained(model).vocab_size, a.num_prompts, tuple(a.input_len),
                              tuple(a.output_len), a.seed)

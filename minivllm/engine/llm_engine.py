@@ -11,7 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config import check_token_ids, model_folder
+from ..config import check_token_ids
+from ..model_source import model_folder
 from ..distributed import RankFailure
 from .block_manager import BlockManager
 from .launch import Ranks

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 
-from ..config import model_folder
+from ..model_source import model_folder
 from ..distributed import process_state
 from .core import (Abort, AddRequest, EngineCoreGone, EngineCoreProcess, EngineStats, Failed, Ping, Pong,
                                   Rejected, StepOutputs, rebuild_error)
@@ -111,7 +111,7 @@ class AsyncLLM:
             if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {cap!r}")
         self.max_stop_strings, self.max_stop_string_chars = max_stop_strings, max_stop_string_chars
-        folder = model_folder(model)  # a folder, a hub id, or the packaged model (notebook 00)
+        folder = model_folder(model)  # a folder, a hub id, or the packaged model (notebook 00b)
         args = EngineArgs(folder, tensor_parallel_size, **engine_kwargs)
         self.config = args.model_config()  # checks the checkpoint and the TP size before any process starts
         self.args = args.resolved(self.config)
