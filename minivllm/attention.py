@@ -139,9 +139,9 @@ def store_implementation(device: torch.device | str, checked: bool = True) -> Ca
     if device.type == "cpu" and cpu_store_kernel() is not None:
         return cpu_store_kernel()  # subtle: the operator itself: the layer's store runs no Python of ours
     if device.type == "cuda":
-        from minivllm import triton_attention  # notebook 06b: loaded only on a GPU, never on the CPU's path
-        if triton_attention.HAS_TRITON:
-            return triton_attention.store_kvcache_triton
+        from minivllm import gpu  # notebook 06b: loaded only on a GPU, never on the CPU's path
+        if gpu.HAS_TRITON:
+            return gpu.store_kvcache_triton
     return store_kvcache_torch if checked else functools.partial(store_kvcache_torch, checked=False)
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -162,7 +162,7 @@ def paged_attention_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     md = metadata
     if md.is_prefill:
         if md.block_tables is not None and k_cache.shape[1] % 256:  # flash-attn reads blocks of a multiple of 256
-            from minivllm.triton_attention import paged_attention_triton
+            from minivllm.gpu import paged_attention_triton
             return paged_attention_triton(q, k, v, k_cache, v_cache, md, scale)
         if md.block_tables is not None:  # cached prefix: read every key from the cache
             k, v = k_cache, v_cache
@@ -193,7 +193,7 @@ def check_backend_runs(backend: str, device: torch.device | str | None = None) -
     if backend == "cpu" and cpu_decode_kernel() is None:
         raise ValueError("the 'cpu' attention backend needs the CPU decode kernel, which could not be built (see the warning)")
     if backend == "triton":
-        from minivllm import triton_attention as tri  # notebook 06b: the backend asked for is Triton
+        from minivllm import gpu as tri  # notebook 06b: the backend asked for is Triton
         if not tri.HAS_TRITON:
             raise ValueError("the 'triton' attention backend needs triton, which is not installed (pip install triton)")
     on_cpu = device is not None and torch.device(device).type == "cpu"
@@ -215,7 +215,7 @@ def attention_backend(device: torch.device | str, dtype: torch.dtype, head_dim: 
         if not is_prefill and dtype in CPU_DECODE_DTYPES and head_dim <= 256 and cpu_decode_kernel() is not None:
             return "cpu"
         return "sdpa"
-    from minivllm.triton_attention import HAS_TRITON  # notebook 06b: on a GPU only
+    from minivllm.gpu import HAS_TRITON  # notebook 06b: on a GPU only
     # flash-attn's paged kernels read blocks of a multiple of 256 tokens (a prefill over a cached prefix asks Triton)
     if HAS_FLASH_ATTN and dtype in (torch.float16, torch.bfloat16) and (is_prefill or (block_size or 0) % 256 == 0):
         return "flash"
@@ -226,7 +226,7 @@ def attention_implementation(backend: str, is_prefill: bool, dtype: torch.dtype)
     if backend == "flash":
         return paged_attention_flash
     if backend == "triton":  # notebook 06b; imported here, so that the CPU path never loads triton
-        from minivllm.triton_attention import paged_attention_triton
+        from minivllm.gpu import paged_attention_triton
         return paged_attention_triton
     if backend == "cpu" and not is_prefill and dtype in CPU_DECODE_DTYPES:  # else SDPA, as 'sdpa'
         return cpu_decode

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# subtle: Triton reads this when a kernel is defined (at the first import of minivllm.triton_attention), so it must be set
+# subtle: Triton reads this when a kernel is defined (at the first import of minivllm.gpu.triton_attention), so it must be set
 # before any test module imports minivllm; on CPU the kernels then run in Triton's interpreter.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from minivllm.triton_attention import HAS_TRITON
+from minivllm.gpu.triton_attention import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 TOOL = ROOT / "tools" / "gpu_compile_report.py"

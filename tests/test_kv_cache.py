@@ -17,12 +17,12 @@ if not torch.cuda.is_available():
 
 import minivllm.attention as attention
 import minivllm.kv_cache as kv
-import minivllm.triton_attention as tri
-from minivllm.triton_attention import HAS_TRITON
+import minivllm.gpu.triton_attention as tri
+from minivllm.gpu.triton_attention import HAS_TRITON
 from minivllm.attention import Attention, attention_backend, causal_mask, cpu_decode_kernel, gather_kv, store_kvcache
 from minivllm.kv_cache import (DECODE_GROUP_SIZE, AttentionMetadata, allocate_kv_cache, decode_metadata,
                                kv_cache_bytes_per_block, prefill_metadata, slot_mapping, store_kvcache_torch)
-from minivllm.triton_attention import store_kvcache_triton
+from minivllm.gpu.triton_attention import store_kvcache_triton
 from minivllm.testing import (ATTENTION_TOL as TOL, PagedCase, cat_rows, check_prefill_then_decode,
                               tiny_store_inputs)
 
@@ -154,7 +154,7 @@ def interpreted(test):
 def _check_kernel_runs_here():
     "Fail with the fix if the kernel was defined before TRITON_INTERPRET=1 was set (it then needs a GPU)."
     if not torch.cuda.is_available() and type(tri._store_kvcache_kernel).__name__ != "InterpretedFunction":
-        pytest.fail("minivllm.triton_attention was imported before TRITON_INTERPRET=1 was set, so its Triton kernel needs a "
+        pytest.fail("minivllm.gpu.triton_attention was imported before TRITON_INTERPRET=1 was set, so its Triton kernel needs a "
                     "GPU: set the variable in tests/conftest.py (before any test imports minivllm)")
 
 

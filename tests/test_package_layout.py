@@ -9,11 +9,11 @@ from pathlib import Path
 import minivllm
 
 ROOT = Path(minivllm.__file__).parent
-PERIPHERY = ("minivllm.cpu", "minivllm.serve", "minivllm.cluster", "minivllm.bench", "minivllm.testing",
+PERIPHERY = ("minivllm.cpu", "minivllm.gpu", "minivllm.serve", "minivllm.cluster", "minivllm.bench", "minivllm.testing",
              "minivllm.checkpoints", "minivllm.cli", "minivllm.cost_model", "minivllm.__main__")
-INTERFACES = {"minivllm.cpu", "minivllm.cluster"}  # packages whose __init__ names what the core may use
+INTERFACES = {"minivllm.cpu", "minivllm.gpu", "minivllm.cluster"}  # packages whose __init__ names what the core may use
 # an optional backend loaded on first use, where its hardware and library are there (notebook 06b needs triton)
-LOADED_ON_FIRST_USE = {("minivllm.attention", "minivllm.triton_attention")}
+LOADED_ON_FIRST_USE = {("minivllm.attention", "minivllm.gpu")}
 
 
 def module_name(path: Path) -> str:

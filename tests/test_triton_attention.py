@@ -15,7 +15,7 @@ import transformers
 from minivllm import LLM, SamplingParams
 from minivllm.attention import Attention, attention_backend_name, paged_attention_torch
 from minivllm.kv_cache import decode_metadata, prefill_metadata
-from minivllm.triton_attention import HAS_TRITON, TRITON_RUNS_ON_CPU
+from minivllm.gpu.triton_attention import HAS_TRITON, TRITON_RUNS_ON_CPU
 from minivllm.testing import (ATTENTION_TOL, PagedCase, check_prefill_then_decode, hf_greedy, interpreter_programs,
                               make_tiny_checkpoint, triton_variants, written_twice)
 
@@ -29,7 +29,7 @@ HEADS = [(4, 2), (2, 2)]  # (query heads, KV heads): grouped-query and multi-hea
 
 
 def kernel():
-    from minivllm.triton_attention import paged_attention_triton
+    from minivllm.gpu.triton_attention import paged_attention_triton
     return paged_attention_triton
 
 
@@ -141,7 +141,7 @@ def test_kernel_refuses_what_it_cannot_read():
 
 
 def test_kernel_on_cpu_tensors_without_the_interpreter_says_how(monkeypatch):
-    import minivllm.triton_attention as tri
+    import minivllm.gpu.triton_attention as tri
     monkeypatch.setattr(tri, "INTERPRETED", False)
     q = torch.randn(3, 4, 64)
     with pytest.raises(ValueError, match="set TRITON_INTERPRET=1 before minivllm is imported"):
@@ -206,7 +206,7 @@ def test_engine_at_tp2_takes_the_backend_from_the_environment(tmp_path, monkeypa
 @on_cpu_only
 def test_start_up_compiles_every_kernel_variant_a_run_launches(tmp_path):
     "Every variant launched while generating (each a compile on a GPU) was launched by the engine's start-up already."
-    import minivllm.triton_attention as ta
+    import minivllm.gpu.triton_attention as ta
     path = make_tiny_checkpoint(tmp_path / "m", **TINY["qwen3"])
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     with triton_variants(ta) as launched:

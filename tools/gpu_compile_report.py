@@ -63,7 +63,7 @@ def recorded_launches(dtype: str, head_size: int, group: int) -> list[tuple[str,
     "The kernel launches the attention layer and the store make for one shape, recorded (name, kernel, args, kwargs)."
     import torch
 
-    import minivllm.triton_attention as ta
+    import minivllm.gpu.triton_attention as ta
     from minivllm.kv_cache import allocate_kv_cache, decode_metadata, prefill_metadata
 
     launches = []
@@ -140,7 +140,7 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 
 def compile_shape(dtype: str, head_size: int, group: int, archs: tuple[int, ...], shared_kernels: bool) -> list[dict]:
     "Every kernel variant of one shape, compiled for each arch (the store and merge only when `shared_kernels`)."
-    from minivllm.triton_attention import blocks_per_sm
+    from minivllm.gpu.triton_attention import blocks_per_sm
     rows = []
     for label, kernel, args, kwargs in recorded_launches(dtype, head_size, group):
         independent = label in ("store", "merge splits")  # the same kernel whatever the group
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import triton
 
-        from minivllm.triton_attention import SHARED_PER_SM
+        from minivllm.gpu.triton_attention import SHARED_PER_SM
     except ImportError:
         print("gpu_compile_report: triton is not installed (pip install triton)", file=sys.stderr)
         return 2
