@@ -20,8 +20,8 @@ from .layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLi
 from .cpu import cpu_gemm_setting, layer_ops_for
 
 # %% auto #0
-__all__ = ['DecoderAttention', 'DecoderMLP', 'DecoderLayer', 'DecoderModel', 'CausalLM', 'checkpoint_files',
-           'default_weight_loader', 'load_checkpoint', 'build_model', 'load_model']
+__all__ = ['LAYER_KERNELS', 'DecoderAttention', 'DecoderMLP', 'DecoderLayer', 'DecoderModel', 'layer_ops', 'CausalLM',
+           'checkpoint_files', 'default_weight_loader', 'load_checkpoint', 'build_model', 'load_model']
 
 # %% ../nbs/07_models.ipynb #65b4563f
 class DecoderAttention(nn.Module):
@@ -37,6 +37,11 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.rotary_emb = get_rope(c)
         self.attn = Attention(self.num_heads, c.head_dim, c.head_dim ** -0.5, self.num_kv_heads)
+        self.norm_rotary = None  # one kernel for the q/k norms and the rotation, once `use_kernels` bound it (notebook 06c)
+
+    def use_kernels(self, ops) -> None:
+        "Norm and rotate q and k in one kernel where `ops` (`layer_ops`) has one and this model norms them (Qwen3)."
+        self.norm_rotary = getattr(ops, "norm_rotary", None) if self.q_norm is not None else None
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -45,9 +50,13 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.norm_rotary is not None:  # each head's RMSNorm, then its rotation, in one kernel
+            q, k = self.norm_rotary(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                    self.rotary_emb.cos_sin_cache, self.head_dim)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, k_cache, v_cache, metadata))
 
 # %% ../nbs/07_models.ipynb #c284ede5
@@ -99,6 +108,27 @@ class DecoderModel(nn.Module):
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
+# %% ../nbs/07_models.ipynb #c343bdad
+LAYER_KERNELS = ("torch", "cpu", "triton")  # what `choose_implementations(layer_kernels=)` takes; None: the fastest
+
+def layer_ops(kind: str | None, device: torch.device | str, dtype: torch.dtype):
+    "The fused operators of a model's small layers, `kind` of them (None: the device's fastest), or None: torch's operations."
+    device = torch.device(device)
+    if kind is None:
+        kind = {"cpu": "cpu", "cuda": "triton"}.get(device.type, "torch")
+    if kind not in LAYER_KERNELS:
+        raise ValueError(f"unknown layer_kernels {kind!r}: use one of {', '.join(LAYER_KERNELS)}, or None for the fastest")
+    if kind == "cpu" and device.type != "cpu":
+        raise ValueError(f"the 'cpu' layer kernels run on the CPU only, and this model is on {device}")
+    if kind != "triton":
+        return layer_ops_for(device, dtype) if kind == "cpu" else None  # None where the C++ cannot be built
+    from minivllm import gpu  # notebook 06c: loaded only where asked for, never on the CPU's own path
+    ops = gpu.layer_ops_for(device, dtype, interpreted=device.type == "cpu")
+    if ops is None and device.type == "cpu":
+        raise ValueError("the 'triton' layer kernels run on the CPU only in Triton's interpreter (slow, for tests): "
+                         "set TRITON_INTERPRET=1 before starting, with triton >= 3.2")
+    return ops
+
 # %% ../nbs/07_models.ipynb #026cdcf7
 class CausalLM(nn.Module):
     "A Qwen3, Qwen2 or Llama causal LM whose weights are split across the tensor-parallel ranks."
@@ -131,12 +161,12 @@ class CausalLM(nn.Module):
         return self.lm_head.greedy_tokens(hidden_states)
 
     def choose_implementations(self, device: torch.device | str, attention_backend: str | None = None,
-                               block_size: int | None = None) -> None:
-        "Bind every layer's implementation once, for this model's dtype on `device`: the C++ operators where they run (notebook 04a), the attention backend (notebook 06a)."
+                               block_size: int | None = None, layer_kernels: str | None = None) -> None:
+        "Bind every layer's implementation once, for this model's dtype on `device`: the fused small layers (`layer_ops`), the attention backend (notebook 06a)."
         # subtle: chosen here, when the model is built, so that no layer asks at each call which code to run
-        ops = layer_ops_for(device, self.config.dtype)
+        ops = layer_ops(layer_kernels, device, self.config.dtype)
         for module in self.modules():
-            if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding, ParallelLMHead)):
+            if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding, ParallelLMHead, DecoderAttention)):
                 module.use_kernels(ops)
         set_attention_backend(self, attention_backend, device, self.config.dtype, block_size)
 

@@ -45,7 +45,9 @@ def test_every_variant_compiles_for_sm80_and_sm90(report):
     attention = {"prefill", "prefill over a prefix", "decode", "split decode"}
     t = tool()
     want = {(k, d, h, g, a) for k, d, h, g, a in itertools.product(attention, t.DTYPES, t.HEAD_SIZES, t.GROUPS, t.ARCHS)}
-    want |= {(k, d, h, None, a) for k, d, h, a in itertools.product(("store", "merge splits"), t.DTYPES, t.HEAD_SIZES, t.ARCHS)}
+    want |= {(k, d, h, None, a) for k, d, h, a in itertools.product(("store", "merge splits", *t.LAYER_LABELS), t.DTYPES,
+                                                                     t.HEAD_SIZES, t.ARCHS)}
+    want |= {(k, d, None, None, a) for k, d, a in itertools.product(t.HEAD_FREE_LABELS, t.DTYPES, t.ARCHS)}
     got = [(r["kernel"], r["dtype"], r["head_size"], r["group"], r["arch"]) for r in rows]
     assert sorted(got, key=str) == sorted(want, key=str)
     assert all(r["registers"] > 0 and r["blocks_per_sm"] >= 1 for r in rows)
@@ -62,13 +64,16 @@ def test_no_variant_spills(report):
 
 def test_the_report_covers_every_kernel_of_the_package():
     "A kernel added to the package without a launch in the report is named, not left out."
-    assert tool().package_kernels() == {"_paged_attention_kernel", "_merge_splits_kernel", "_store_kvcache_kernel"}
+    assert tool().package_kernels() == {"_paged_attention_kernel", "_merge_splits_kernel", "_store_kvcache_kernel",
+                                        "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel",
+                                        "_argmax_rows_kernel"}
 
 
 def test_quick_takes_qwen3_shapes_and_refuses_an_unknown_arch():
     run = run_report("--quick", "--arch", "90")
     assert run.returncode == 0, run.stderr[-4000:]
     rows = [line for line in run.stdout.splitlines() if "| sm_90 |" in line]
-    assert len(rows) == 6 and all("| bfloat16 | 128 |" in line for line in rows)
+    assert len(rows) == 11 and all("| bfloat16 | 128 |" in line for line in rows if not line.startswith("| argmax |"))
+    assert "| argmax | bfloat16 | - | - | sm_90 |" in run.stdout  # over the vocabulary: no head size
     bad = run_report("--arch", "75")
     assert bad.returncode == 2 and "unknown compute capability [75]" in bad.stderr

@@ -13,7 +13,7 @@ PERIPHERY = ("minivllm.cpu", "minivllm.gpu", "minivllm.serve", "minivllm.cluster
              "minivllm.checkpoints", "minivllm.cli", "minivllm.cost_model", "minivllm.__main__")
 INTERFACES = {"minivllm.cpu", "minivllm.gpu", "minivllm.cluster"}  # packages whose __init__ names what the core may use
 # an optional backend loaded on first use, where its hardware and library are there (notebook 06b needs triton)
-LOADED_ON_FIRST_USE = {("minivllm.attention", "minivllm.gpu")}
+LOADED_ON_FIRST_USE = {("minivllm.attention", "minivllm.gpu"), ("minivllm.models", "minivllm.gpu")}
 
 
 def module_name(path: Path) -> str:

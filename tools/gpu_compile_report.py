@@ -9,13 +9,17 @@ run; each recorded launch is then compiled the way Triton's JIT compiles it on a
 specialisation, options and constexprs), for sm_80 (A100) and sm_90 (H100, H200), with the `ptxas` that the triton
 wheel bundles. `cuobjdump`, bundled too, reads each cubin's registers a thread, local memory (spills) and static
 shared memory. The variants: attention decode, split decode and its merge, prefill, prefill over a cached prefix, and
-the KV-cache store; float16, bfloat16 and float32; head sizes 64 and 128; 1, 2, 3 and 8 query heads a KV head.
-`--quick` takes Qwen3-0.6B's shapes alone (bfloat16, head size 128, 2 heads a KV head). Compiling a variant takes
-about a second; `--jobs` compiles in that many processes (default: the machine's cores).
+the KV-cache store; float16, bfloat16 and float32; head sizes 64 and 128; 1, 2, 3 and 8 query heads a KV head. The
+layer kernels (notebook 06c) are launched by their own calls on a model's layouts (16 query heads and 8 KV heads,
+hidden size 16 heads' worth: 1,024 at head size 64, 2,048 at 128; q and k views of one qkv row): add + RMSNorm,
+SiLU-and-multiply, rotary, q/k norm + rotary at each dtype and head size, argmax over Qwen's 151,936 columns at each
+dtype. `--quick` takes Qwen3-0.6B's shapes alone (bfloat16, head size 128, 2 heads a KV head). Compiling a variant
+takes about a second; `--jobs` compiles in that many processes (default: the machine's cores).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -33,13 +37,20 @@ HEAD_SIZES = (64, 128)
 GROUPS = (1, 2, 3, 8)
 ARCHS = (80, 90)
 QUICK = dict(dtypes=("bfloat16",), head_sizes=(128,), groups=(2,))  # Qwen3-0.6B
+ATTENTION_KERNELS = {"_paged_attention_kernel": "attention", "_merge_splits_kernel": "merge splits",
+                     "_store_kvcache_kernel": "store"}
+LAYER_KERNELS = {"_add_rms_norm_kernel": "add rms norm", "_silu_and_mul_kernel": "silu and mul",
+                 "_rotary_kernel": "rotary", "_argmax_rows_kernel": "argmax"}
+LAYER_LABELS = ("add rms norm", "silu and mul", "rotary", "norm rotary")  # a variant each per dtype and head size
+HEAD_FREE_LABELS = ("argmax",)  # a variant per dtype
+LAYER_HEADS, LAYER_KV_HEADS, VOCAB = 16, 8, 151936  # Qwen3-0.6B's heads; Qwen's vocabulary
 @dataclass
 class Variant:
     "One compiled kernel variant and what it costs a multiprocessor."
     kernel: str
     dtype: str
-    head_size: int
-    group: int | None  # None: the kernel does not depend on it (store, merge)
+    head_size: int | None  # None: the kernel does not depend on it (argmax)
+    group: int | None  # None: the kernel does not depend on it (store, merge, the layer kernels)
     arch: int
     registers: int
     spill_bytes: int  # local memory a thread: what did not fit in registers
@@ -59,6 +70,24 @@ def package_kernels() -> set[str]:
     return found
 
 
+@contextlib.contextmanager
+def recording(module, kernels: dict[str, str]):
+    "Replace `module`'s kernels (name: label) by recorders while the block runs: yields the launches, (label, kernel, args, kwargs)."
+    launches, originals = [], {name: getattr(module, name) for name in kernels}
+
+    class Recorder:
+        def __init__(self, name, kernel): self.name, self.kernel = name, kernel
+        def __getitem__(self, grid): return lambda *a, **kw: launches.append((self.name, self.kernel, a, kw))
+
+    try:
+        for name, label in kernels.items():
+            setattr(module, name, Recorder(label, originals[name]))
+        yield launches
+    finally:
+        for name, kernel in originals.items():
+            setattr(module, name, kernel)
+
+
 def recorded_launches(dtype: str, head_size: int, group: int) -> list[tuple[str, object, tuple, dict]]:
     "The kernel launches the attention layer and the store make for one shape, recorded (name, kernel, args, kwargs)."
     import torch
@@ -66,18 +95,10 @@ def recorded_launches(dtype: str, head_size: int, group: int) -> list[tuple[str,
     import minivllm.gpu.triton_attention as ta
     from minivllm.kv_cache import allocate_kv_cache, decode_metadata, prefill_metadata
 
-    launches = []
-
-    class Recorder:
-        def __init__(self, name, kernel): self.name, self.kernel = name, kernel
-        def __getitem__(self, grid): return lambda *a, **kw: launches.append((self.name, self.kernel, a, kw))
-
-    kernels = {"_paged_attention_kernel": "attention", "_merge_splits_kernel": "merge splits",
-               "_store_kvcache_kernel": "store"}
-    missing = package_kernels() - set(kernels)
+    missing = package_kernels() - set(ATTENTION_KERNELS) - set(LAYER_KERNELS)
     if missing:
-        raise RuntimeError(f"kernels with no variant in the report: {sorted(missing)}: launch them in recorded_launches")
-    originals = {k: getattr(ta, k) for k in kernels}
+        raise RuntimeError(f"kernels with no variant in the report: {sorted(missing)}: launch them in recorded_launches "
+                           "or recorded_layer_launches")
     dev, dt, H, KVH, D = "meta", getattr(torch, dtype), group * KV_HEADS, KV_HEADS, head_size
     T, lengths, cached = 48, [40, 8], [24, 0]
     tables = [[1, 2, 3], [4]]
@@ -85,9 +106,7 @@ def recorded_launches(dtype: str, head_size: int, group: int) -> list[tuple[str,
     q, k, v = (t.view(T, -1, D) for t in qkv.split([H * D, KVH * D, KVH * D], dim=-1))
     kv_cache = allocate_kv_cache(1, 8, BLOCK_SIZE, KVH, D, dt, dev)
     k_cache, v_cache = kv_cache[0, 0], kv_cache[1, 0]
-    try:
-        for name, label in kernels.items():
-            setattr(ta, name, Recorder(label, originals[name]))
+    with recording(ta, ATTENTION_KERNELS) as launches:
         scale = D ** -0.5
         ta.store_kvcache_triton(k, v, k_cache, v_cache, torch.zeros(T, dtype=torch.int64, device=dev))
         ta.paged_attention_triton(q, k, v, None, None, prefill_metadata(tables, [0, 0], lengths, BLOCK_SIZE, dev), scale)
@@ -96,10 +115,32 @@ def recorded_launches(dtype: str, head_size: int, group: int) -> list[tuple[str,
         decode = decode_metadata(tables, lengths, BLOCK_SIZE, dev, group_size=None)
         ta.paged_attention_triton(q[:2], None, None, k_cache, v_cache, decode, scale, num_splits=1)
         ta.paged_attention_triton(q[:2], None, None, k_cache, v_cache, decode, scale, num_splits=ta.DECODE_SPLITS)
-    finally:
-        for name, kernel in originals.items():
-            setattr(ta, name, kernel)
     labels = ["store", "prefill", "prefill over a prefix", "decode", "split decode", "merge splits"]
+    assert len(launches) == len(labels), [l[0] for l in launches]
+    return [(label, *launch[1:]) for label, launch in zip(labels, launches)]
+
+
+def recorded_layer_launches(dtype: str, head_size: int, with_argmax: bool) -> list[tuple[str, object, tuple, dict]]:
+    "The layer kernels' launches for a model of this dtype and head size, recorded (label, kernel, args, kwargs)."
+    import torch
+
+    import minivllm.gpu.triton_layers as tl
+
+    dev, dt, D, T = "meta", getattr(torch, dtype), head_size, 48
+    hidden = LAYER_HEADS * D  # 1,024 at head size 64 (Qwen3-0.6B's width), 2,048 at 128
+    x, weight = torch.empty(T, hidden, dtype=dt, device=dev), torch.empty(hidden, dtype=dt, device=dev)
+    qkv = torch.empty(T, (LAYER_HEADS + 2 * LAYER_KV_HEADS) * D, dtype=dt, device=dev)  # q and k are views of it
+    q, k, _ = (t.view(T, -1, D) for t in qkv.split([LAYER_HEADS * D, LAYER_KV_HEADS * D, LAYER_KV_HEADS * D], dim=-1))
+    positions = torch.empty(T, dtype=torch.int64, device=dev)
+    cos_sin, head_weight = torch.empty(4096, D, device=dev), torch.empty(D, dtype=dt, device=dev)
+    with recording(tl, LAYER_KERNELS) as launches:
+        tl.add_rms_norm_triton(x, x, weight, 1e-6)
+        tl.silu_and_mul_triton(torch.empty(T, 2 * 3 * hidden, dtype=dt, device=dev))
+        tl.rotary_embedding_triton(positions, q, k, cos_sin, D)
+        tl.norm_rotary_triton(positions, q, k, head_weight, head_weight, 1e-6, cos_sin, D)
+        if with_argmax:
+            tl.argmax_rows_triton(torch.empty(T, VOCAB, dtype=dt, device=dev))
+    labels = LAYER_LABELS + (HEAD_FREE_LABELS if with_argmax else ())
     assert len(launches) == len(labels), [l[0] for l in launches]
     return [(label, *launch[1:]) for label, launch in zip(labels, launches)]
 
@@ -138,12 +179,16 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
                 static_shared=int(fields["SHARED"]))
 
 
-def compile_shape(dtype: str, head_size: int, group: int, archs: tuple[int, ...], shared_kernels: bool) -> list[dict]:
-    "Every kernel variant of one shape, compiled for each arch (the store and merge only when `shared_kernels`)."
+def compile_shape(dtype: str, head_size: int, group: int, archs: tuple[int, ...], shared_kernels: bool,
+                  head_free_kernels: bool = False) -> list[dict]:
+    "Every kernel variant of one shape, compiled for each arch (the store, merge and layer kernels only when `shared_kernels`, argmax when `head_free_kernels`)."
     from minivllm.gpu.triton_attention import blocks_per_sm
     rows = []
-    for label, kernel, args, kwargs in recorded_launches(dtype, head_size, group):
-        independent = label in ("store", "merge splits")  # the same kernel whatever the group
+    launches = recorded_launches(dtype, head_size, group)
+    if shared_kernels:
+        launches += recorded_layer_launches(dtype, head_size, head_free_kernels)
+    for label, kernel, args, kwargs in launches:
+        independent = label in ("store", "merge splits", *LAYER_LABELS, *HEAD_FREE_LABELS)  # the same whatever the group
         if independent and not shared_kernels:
             continue
         for arch in archs:
@@ -152,7 +197,8 @@ def compile_shape(dtype: str, head_size: int, group: int, archs: tuple[int, ...]
             shared = compiled.metadata.shared + use["static_shared"]
             warps = compiled.metadata.num_warps
             blocks, limit = blocks_per_sm(use["registers"], shared, warps, arch)
-            rows.append(asdict(Variant(label, dtype, head_size, None if independent else group, arch, use["registers"],
+            head = None if label in HEAD_FREE_LABELS else head_size
+            rows.append(asdict(Variant(label, dtype, head, None if independent else group, arch, use["registers"],
                                        use["spill_bytes"], shared, warps, compiled.metadata.num_stages, blocks, limit)))
     return rows
 
@@ -160,7 +206,7 @@ def compile_shape(dtype: str, head_size: int, group: int, archs: tuple[int, ...]
 def compile_report(archs=ARCHS, dtypes=DTYPES, head_sizes=HEAD_SIZES, groups=GROUPS, jobs: int | None = None) -> list[dict]:
     "Every kernel variant compiled for every arch: one row each."
     shapes = list(itertools.product(dtypes, head_sizes, groups))
-    tasks = [(d, h, g, tuple(archs), g == groups[0]) for d, h, g in shapes]
+    tasks = [(d, h, g, tuple(archs), g == groups[0], g == groups[0] and h == head_sizes[0]) for d, h, g in shapes]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
     if jobs == 1:
         return [row for task in tasks for row in compile_shape(*task)]
@@ -175,7 +221,7 @@ def report_table(rows: list[dict], triton_version: str) -> str:
     lines = [f"Compiled by triton {triton_version} for sm_{'/sm_'.join(str(a) for a in sorted({r['arch'] for r in rows}))}:",
              "", head, "|" + "---|" * 12]
     for r in rows:
-        lines.append(f"| {r['kernel']} | {r['dtype']} | {r['head_size']} | {r['group'] or '-'} | sm_{r['arch']} | "
+        lines.append(f"| {r['kernel']} | {r['dtype']} | {r['head_size'] or '-'} | {r['group'] or '-'} | sm_{r['arch']} | "
                      f"{r['registers']} | {r['spill_bytes']} | {r['shared_bytes'] / 1024:.1f} | {r['warps']} | "
                      f"{r['stages']} | {r['blocks_per_sm']} | {r['limited_by']} |")
     return "\n".join(lines)

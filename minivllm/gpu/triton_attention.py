@@ -31,10 +31,10 @@ if HAS_TRITON:
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # %% auto #0
-__all__ = ['HAS_TRITON', 'TRITON_RUNS_ON_CPU', 'INTERPRETED', 'LOG2E', 'DECODE_SPLITS', 'TRITON_DTYPES', 'REGISTERS_PER_SM',
-           'REGISTER_UNIT', 'MAX_WARPS_PER_SM', 'MAX_BLOCKS_PER_SM', 'SHARED_PER_SM', 'SHARED_RESERVED_PER_BLOCK',
-           'store_kvcache_triton', 'TritonTiles', 'triton_tiles', 'decode_splits', 'paged_attention_triton',
-           'blocks_per_sm']
+__all__ = ['HAS_TRITON', 'TRITON_RUNS_ON_CPU', 'INTERPRETED', 'LOG2E', 'DECODE_SPLITS', 'DECODE_PROGRAMS_PER_SM', 'TRITON_DTYPES',
+           'REGISTERS_PER_SM', 'REGISTER_UNIT', 'MAX_WARPS_PER_SM', 'MAX_BLOCKS_PER_SM', 'SHARED_PER_SM',
+           'SHARED_RESERVED_PER_BLOCK', 'store_kvcache_triton', 'TritonTiles', 'triton_tiles', 'decode_splits',
+           'paged_attention_triton', 'blocks_per_sm']
 
 # %% ../../nbs/06b_triton_attention.ipynb #a92c21a7
 if HAS_TRITON:
@@ -219,7 +219,8 @@ if HAS_TRITON:
 
 # %% ../../nbs/06b_triton_attention.ipynb #8db646b1
 LOG2E = 1.4426950408889634  # the kernel's exponentials are exp2: scores are scaled by log2(e) once
-DECODE_SPLITS = 16  # flash-decoding's share count for a small decode batch
+DECODE_SPLITS = 16  # the most shares a decode program's keys are cut into (flash-decoding)
+DECODE_PROGRAMS_PER_SM = 2  # decode programs a multiprocessor holds at once (tools/gpu_compile_report.py)
 
 class TritonTiles(NamedTuple):
     "How the attention kernel cuts its work: query rows a program (BLOCK_M), keys a tile, warps a program."
@@ -241,10 +242,14 @@ def _multiprocessors(device: torch.device) -> int:
     "The GPU's streaming multiprocessors (0 on the CPU)."
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
-def decode_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    "How many shares of the keys a decode program takes: 16 where the batch alone leaves most of the GPU idle, else 1."
-    # subtle: from shapes alone (no host sync), so a CUDA graph captured for one batch size keeps its choice
-    return DECODE_SPLITS if batch * num_kv_heads < _multiprocessors(device) else 1
+def decode_splits(batch: int, num_kv_heads: int, multiprocessors: int) -> int:
+    "The fewest shares of each sequence's keys (a power of two, at most 16) that give every multiprocessor its decode programs."
+    # subtle: from shapes alone (no host sync), so a CUDA graph captured for one batch size keeps its choice; doubling
+    # one step at a time leaves no cliff: a batch never gets fewer programs than a smaller batch did
+    splits = 1
+    while splits < DECODE_SPLITS and batch * num_kv_heads * splits < multiprocessors * DECODE_PROGRAMS_PER_SM:
+        splits *= 2
+    return splits
 
 # %% ../../nbs/06b_triton_attention.ipynb #f8fb9eaf
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -279,7 +284,7 @@ def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     _check_triton_args(q, keys, values)
     KVH = keys.shape[1]
     decode = not md.is_prefill
-    splits = (num_splits or decode_splits(T, KVH, q.device)) if decode else 1
+    splits = (num_splits or decode_splits(T, KVH, _multiprocessors(q.device))) if decode else 1
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {splits}")
     tiles = triton_tiles(H, KVH, decode, q.dtype)
