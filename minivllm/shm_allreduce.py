@@ -23,8 +23,7 @@ from .shm import SEGMENT_PREFIX  # noqa: F401  minivllm.testing imports it from 
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['SHM_ALLREDUCE_SUPPORTED', 'Futex', 'ShmAllReduce', 'default_two_shot_bytes', 'ShmCommunicator', 'make_communicator',
-           'time_all_reduce']
+__all__ = ['SHM_ALLREDUCE_SUPPORTED', 'Futex', 'ShmAllReduce', 'default_two_shot_bytes', 'ShmCommunicator', 'make_communicator']
 
 # %% ../nbs/02_shm_allreduce.ipynb #a3771143
 SHM_ALLREDUCE_SUPPORTED = platform.machine().lower() in ("x86_64", "amd64")  # see "memory ordering" above
@@ -322,23 +321,3 @@ def make_communicator(rank: int, world_size: int, port: int | None = None, *, de
     if SHM_ALLREDUCE_SUPPORTED:
         return ShmCommunicator.connect(rank, world_size, port, backend="gloo", slot_bytes=slot_bytes, **kwargs)
     return ProcessGroupCommunicator.connect(rank, world_size, port, backend="gloo", **kwargs)
-
-# %% ../nbs/02_shm_allreduce.ipynb #195479fe
-def time_all_reduce(comm: ShmCommunicator, sizes: list[int], iters: int = 20, repeats: int = 5) -> dict[str, float]:
-    "Median seconds of one float32 all-reduce per `size:path` (`gloo`, `one-shot`, `two-shot`), on `comm`'s group."
-    out = {}
-    for nbytes in sizes:
-        x = torch.zeros(nbytes // 4)
-        paths = {"gloo": lambda y: ProcessGroupCommunicator.all_reduce(comm, y)}
-        if comm.shm is not None and comm.shm.fits(x):
-            paths |= {"one-shot": comm.shm.all_reduce_one_shot, "two-shot": comm.shm.all_reduce_two_shot}
-        times = {name: [] for name in paths}
-        for f in paths.values(): f(x)  # warm up
-        for rep in range(repeats):
-            for name in (list(paths) if rep % 2 == 0 else list(paths)[::-1]):
-                comm.barrier()
-                start = time.perf_counter()
-                for _ in range(iters): paths[name](x)
-                times[name].append((time.perf_counter() - start) / iters)
-        out |= {f"{nbytes}:{name}": sorted(ts)[len(ts) // 2] for name, ts in times.items()}
-    return out

@@ -13,9 +13,30 @@ from functools import partial
 # torch and the engine's modules are imported where they are used: `minivllm bench allreduce --help` needs neither
 
 # %% auto #0
-__all__ = ['add_allreduce_arguments', 'run_allreduce', 'time_command_paths']
+__all__ = ['time_all_reduce', 'add_allreduce_arguments', 'run_allreduce', 'time_command_paths']
 
 # %% ../../nbs/14b_bench_comm.ipynb #22cabf8c
+def time_all_reduce(comm, sizes: list[int], iters: int = 20, repeats: int = 5) -> dict[str, float]:
+    "Median seconds of one float32 all-reduce per `size:path` (`gloo`, `one-shot`, `two-shot`), on `comm`'s group."
+    import torch
+    from minivllm.distributed import ProcessGroupCommunicator
+    out = {}
+    for nbytes in sizes:
+        x = torch.zeros(nbytes // 4)
+        paths = {"gloo": lambda y: ProcessGroupCommunicator.all_reduce(comm, y)}
+        if comm.shm is not None and comm.shm.fits(x):
+            paths |= {"one-shot": comm.shm.all_reduce_one_shot, "two-shot": comm.shm.all_reduce_two_shot}
+        times = {name: [] for name in paths}
+        for f in paths.values(): f(x)  # warm up
+        for rep in range(repeats):
+            for name in (list(paths) if rep % 2 == 0 else list(paths)[::-1]):
+                comm.barrier()
+                start = time.perf_counter()
+                for _ in range(iters): paths[name](x)
+                times[name].append((time.perf_counter() - start) / iters)
+        out |= {f"{nbytes}:{name}": sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    return out
+
 def add_allreduce_arguments(p: argparse.ArgumentParser) -> None:
     "The options of `minivllm bench allreduce`."
     p.add_argument("--tp", type=int, default=2, help="ranks")
@@ -27,7 +48,7 @@ def run_allreduce(a: argparse.Namespace) -> int:
     "`minivllm bench allreduce`: one all-reduce through gloo and through shared memory, and their ratio."
     import torch
     from minivllm.testing import run_on_ranks
-    from minivllm.shm_allreduce import ShmCommunicator, time_all_reduce
+    from minivllm.shm_allreduce import ShmCommunicator
     nbytes = 4 * torch.Size(a.shape).numel()
     connect = partial(ShmCommunicator.connect, slot_bytes=max(nbytes, 1 << 20))
     t = run_on_ranks(time_all_reduce, a.tp, [nbytes], a.iters, a.repeats, connect=connect)
