@@ -40,7 +40,8 @@ setuptools.setup(
     package_dir={'': '.'},
     include_package_data=True,
     package_data={'minivllm': ['default_model/*'],  # the small model `LLM()` uses when given no path
-                  'minivllm.cpu': ['*.cpp', '*.h']},  # the C++ kernels' sources, compiled on first use
+                  'minivllm.cpu': ['*.cpp', '*.h'],  # the C++ kernels' sources, compiled on first use
+                  'minivllm.gpu': ['*.json']},  # the Triton attention's tiles measured on GPUs (gpu_check --sweep)
     install_requires=reqs('requirements'),
     extras_require={'dev': reqs('dev_requirements'), 'gpu': reqs('gpu_requirements')},
     python_requires='>=' + min_python,

@@ -368,3 +368,18 @@ def test_logit_gap_measures_how_near_a_tie_the_parting_was(tmp_path, gpu_check):
     ours = theirs[:2] + [(theirs[2] + 1) % 256] + theirs[3:]
     part = gpu_check.logit_gap(path, prompt, ours, theirs, torch.float32, torch.device("cpu"))
     assert part["step"] == 2 and 0 < part["gap"] <= 2 * part["max_logit"]
+
+
+def test_the_tile_sweep_writes_the_fastest_tiles_that_the_kernel_reads(tmp_path):
+    "`--sweep PATH --dry-run` times the Triton attention's candidates (in the interpreter) and writes a choice a phase."
+    table = tmp_path / "tiles.json"
+    table.write_text(json.dumps({"sm90/head128/group2/bfloat16/decode": {"tile": 64, "warps": 8}}))  # another card's
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, str(SCRIPT), "--sweep", str(table), "--dry-run"], capture_output=True,
+                         text=True, timeout=600, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    written = json.loads(table.read_text())
+    assert written["sm90/head128/group2/bfloat16/decode"] == {"tile": 64, "warps": 8}  # kept
+    for phase in ("decode", "prefill"):
+        assert written[f"sm0/head16/group2/float32/{phase}"]["tile"] in (16, 32)
+        assert written[f"sm0/head16/group2/float32/{phase}"]["warps"] == 4

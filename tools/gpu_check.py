@@ -3,6 +3,7 @@
     python tools/gpu_check.py --quick [--out PATH]  # at most 4 minutes on an H100: fits one call of a lent GPU machine
     python tools/gpu_check.py [--out PATH] [--num-prompts N] [--skip-tests] [--attention-backend NAME]  # the full one
     python tools/gpu_check.py --quick --dry-run     # the same steps on the CPU with tiny models (what CI runs)
+    python tools/gpu_check.py --sweep [PATH]        # only: the attention's fastest tiles on this card, into a table
 
 Prints one table (then the compile report's) and writes a JSON after every step, so a run cut short keeps what it
 measured. First, in about a second and before torch is imported, every module the check and its tests need is looked
@@ -637,6 +638,76 @@ def decode_rates(llm: LLM, path: Path, device: torch.device, batches: tuple[int,
     return rows
 
 
+# ---------------------------------------------------------------------------------------------- the tile sweep
+
+TILES_JSON = ROOT / "minivllm" / "gpu" / "triton_tiles.json"  # what notebook 06b's `triton_tiles` reads first
+# (query heads, KV heads, head size) of the models a sweep measures for: Qwen3-0.6B, Qwen3-8B/Llama-3-8B, Qwen2-0.5B
+SWEEP_SHAPES = ((16, 8, 128), (32, 8, 128), (14, 2, 64))
+SWEEP_TILES, SWEEP_WARPS = (16, 32, 64), (2, 4, 8)
+
+
+def sweep_case(heads: int, kv_heads: int, head_dim: int, dtype, device, decode: bool, dry_run: bool):
+    "The attention call a sweep times: a decode of 64 sequences of 1,024 keys, or 4 prefills of 512 (tiny when dry)."
+    import torch
+    from minivllm.kv_cache import allocate_kv_cache, decode_metadata, prefill_metadata
+    batch, length, block = (2, 40, 16) if dry_run else ((64, 1024, 16) if decode else (4, 512, 16))
+    blocks = -(-length // block)
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
+    cache = allocate_kv_cache(1, batch * blocks, block, kv_heads, head_dim, dtype, device).normal_()
+    tokens = batch if decode else batch * length
+    q, k, v = (torch.randn(tokens, h, head_dim, dtype=dtype, device=device) for h in (heads, kv_heads, kv_heads))
+    md = (decode_metadata(tables, [length] * batch, block, device, group_size=None) if decode
+          else prefill_metadata(tables, [0] * batch, [length] * batch, block, device))
+    return q, k, v, cache[0, 0], cache[1, 0], md, head_dim ** -0.5
+
+
+def time_call(f, device, repeats: int) -> float:
+    "The median seconds of `f()` over `repeats` timed calls, after one untimed (its compile)."
+    f()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        f()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def sweep_tiles(device, dtypes, shapes=SWEEP_SHAPES, tiles=SWEEP_TILES, warps=SWEEP_WARPS, repeats: int = 5,
+                dry_run: bool = False, log=lambda msg: None) -> dict[str, dict]:
+    "For each shape, dtype and phase, the keys a tile and warps that ran the Triton attention fastest on `device`."
+    from minivllm.gpu.triton_attention import (TritonTiles, compute_capability, paged_attention_triton, tiles_key,
+                                               triton_tiles)
+    arch, best = compute_capability(device), {}
+    for heads, kv_heads, head_dim in shapes:
+        for dtype in dtypes:
+            for decode in (True, False):
+                case = sweep_case(heads, kv_heads, head_dim, dtype, device, decode, dry_run)
+                rows = triton_tiles(heads, kv_heads, decode, dtype).block_m
+                timed = {}
+                for tile in tiles:
+                    for w in warps:
+                        chosen = TritonTiles(rows, tile, w)
+                        try:
+                            timed[tile, w] = time_call(lambda: paged_attention_triton(*case, tiles=chosen), device,
+                                                       repeats)
+                        except Exception as e:  # a variant the card cannot hold (shared memory): not a candidate
+                            log(f"gpu_check: tiles {tile} x {w} warps failed: {type(e).__name__}: {e}")
+                (tile, w), seconds = min(timed.items(), key=lambda item: item[1])
+                key = tiles_key(arch, head_dim, heads // kv_heads, dtype, decode)
+                best[key] = dict(tile=tile, warps=w, us=round(seconds * 1e6, 1))
+                log(f"gpu_check: {key}: {tile} keys a tile, {w} warps ({seconds * 1e6:,.1f} us)")
+    return best
+
+
+def write_tiles(best: dict[str, dict], path: Path) -> None:
+    "Merge a sweep's choices into the table at `path` (other cards' entries kept)."
+    table = json.loads(path.read_text()) if path.exists() else {}
+    table.update({key: dict(tile=v["tile"], warps=v["warps"]) for key, v in best.items()})
+    path.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
+
+
 # ---------------------------------------------------------------------------------------------- the report
 
 def table(results: dict) -> str:
@@ -723,6 +794,9 @@ def main(argv: list[str] | None = None) -> int:
                          "so that a run leaves nothing in the working tree; on a lent GPU machine name one under $OUT)")
     ap.add_argument("--num-prompts", type=int, default=256, help="requests of the workload (default: %(default)s)")
     ap.add_argument("--skip-tests", action="store_true", help="leave out the GPU test files")
+    ap.add_argument("--sweep", nargs="?", const=TILES_JSON, type=Path, metavar="PATH",
+                    help="only time the Triton attention's tiles and warps on this card and write the fastest into "
+                         "PATH (default: %(const)s, which the kernel reads first)")
     ap.add_argument("--attention-backend", default=None, metavar="NAME",
                     help="run every engine on this attention backend (triton, sdpa, flash, ...; default: automatic)")
     a = ap.parse_args(argv)
@@ -750,6 +824,13 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: torch sees no CUDA GPU here (run with --dry-run to try the steps on the CPU)", file=sys.stderr)
         return 2
     device = torch.device("cpu" if a.dry_run else "cuda")
+    if a.sweep is not None:  # the tile sweep alone: minutes on a GPU, its table beside the kernel
+        dtypes = (torch.float32,) if a.dry_run else (torch.bfloat16, torch.float16)
+        best = sweep_tiles(device, dtypes, **(dict(shapes=((4, 2, 16),), tiles=(16, 32), warps=(4,), repeats=1)
+                                             if a.dry_run else {}), dry_run=a.dry_run, log=log)
+        write_tiles(best, a.sweep)
+        log(f"gpu_check: {len(best)} choices written to {a.sweep}")
+        return 0
     results = dict(mode="quick" if a.quick else "full", dry_run=a.dry_run, preflight=pre,
                    attention_backend=a.attention_backend)
     save = lambda: write_json(a.out, results | clock.record())

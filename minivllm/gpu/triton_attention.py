@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import importlib.resources
 import importlib.util
+import json
 import math
 import os
 from typing import NamedTuple
@@ -31,10 +33,11 @@ if HAS_TRITON:
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # %% auto #0
-__all__ = ['HAS_TRITON', 'TRITON_RUNS_ON_CPU', 'INTERPRETED', 'LOG2E', 'DECODE_SPLITS', 'DECODE_PROGRAMS_PER_SM', 'TRITON_DTYPES',
-           'REGISTERS_PER_SM', 'REGISTER_UNIT', 'MAX_WARPS_PER_SM', 'MAX_BLOCKS_PER_SM', 'SHARED_PER_SM',
-           'SHARED_RESERVED_PER_BLOCK', 'store_kvcache_triton', 'TritonTiles', 'triton_tiles', 'decode_splits',
-           'paged_attention_triton', 'blocks_per_sm']
+__all__ = ['HAS_TRITON', 'TRITON_RUNS_ON_CPU', 'INTERPRETED', 'LOG2E', 'DECODE_SPLITS', 'DECODE_PROGRAMS_PER_SM', 'TILES_FILE',
+           'TRITON_DTYPES', 'REGISTERS_PER_SM', 'REGISTER_UNIT', 'MAX_WARPS_PER_SM', 'MAX_BLOCKS_PER_SM',
+           'SHARED_PER_SM', 'SHARED_RESERVED_PER_BLOCK', 'store_kvcache_triton', 'TritonTiles', 'tiles_key',
+           'measured_tiles', 'triton_tiles', 'compute_capability', 'decode_splits', 'paged_attention_triton',
+           'blocks_per_sm']
 
 # %% ../../nbs/06b_triton_attention.ipynb #a92c21a7
 if HAS_TRITON:
@@ -228,19 +231,40 @@ class TritonTiles(NamedTuple):
     tile: int
     warps: int
 
-def triton_tiles(num_heads: int, num_kv_heads: int, decode: bool, dtype: torch.dtype) -> TritonTiles:
-    "A program's rows (at least 16, what `tl.dot` takes; a prefill's hold more queries), keys a tile and warps."
-    # subtle: chosen so that no variant spills registers on sm_80 or sm_90 with triton 3.6 or 3.9
+def tiles_key(arch: int, head_dim: int, group: int, dtype: torch.dtype, decode: bool) -> str:
+    "The name of one kernel variant in the table of measured tiles. Example: `'sm90/head128/group2/bfloat16/decode'`."
+    return f"sm{arch}/head{head_dim}/group{group}/{str(dtype).removeprefix('torch.')}/{'decode' if decode else 'prefill'}"
+
+TILES_FILE = "triton_tiles.json"  # beside this module: {tiles_key: {"tile": keys, "warps": warps}}, from a GPU's sweep
+
+@functools.cache
+def measured_tiles() -> dict[str, dict[str, int]]:
+    "The keys a tile and warps that `tools/gpu_check.py --sweep` timed fastest on a GPU, by `tiles_key`; empty until one ran."
+    path = importlib.resources.files("minivllm.gpu") / TILES_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+def triton_tiles(num_heads: int, num_kv_heads: int, decode: bool, dtype: torch.dtype, head_dim: int = 0,
+                 arch: int = 0) -> TritonTiles:
+    "A program's rows (at least 16, what `tl.dot` takes; a prefill's hold more queries), keys a tile and warps: measured on this GPU (`arch`), else the rule."
+    # subtle: the rule is chosen so that no variant spills registers on sm_80 or sm_90 with triton 3.6 or 3.9
     # (tools/gpu_compile_report.py): 64 prefill rows spill in 16-bit with a group of 8; float32's IEEE products run on
     # the FMA units with twice a 16-bit tile's registers, so its tiles take half the keys, its prefill twice the warps
-    wide = dtype == torch.float32
-    rows = max(16 if decode else 32, triton.next_power_of_2(num_heads // num_kv_heads))
+    wide, group = dtype == torch.float32, num_heads // num_kv_heads
+    rows = max(16 if decode else 32, triton.next_power_of_2(group))
+    measured = measured_tiles().get(tiles_key(arch, head_dim, group, dtype, decode))
+    if measured is not None:
+        return TritonTiles(rows, measured["tile"], measured["warps"])
     return TritonTiles(rows, 16 if wide else 32, 8 if wide and not decode else 4)
 
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
     "The GPU's streaming multiprocessors (0 on the CPU)."
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+@functools.cache
+def compute_capability(device: torch.device) -> int:
+    "The GPU's compute capability as one number (90 for an H100; 0 on the CPU)."
+    return int("".join(map(str, torch.cuda.get_device_capability(device)))) if device.type == "cuda" else 0
 
 def decode_splits(batch: int, num_kv_heads: int, multiprocessors: int) -> int:
     "The fewest shares of each sequence's keys (a power of two, at most 16) that give every multiprocessor its decode programs."
@@ -271,8 +295,8 @@ def _check_triton_args(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 
 def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None,
                            v_cache: torch.Tensor | None, metadata: AttentionMetadata, scale: float,
-                           num_splits: int | None = None) -> torch.Tensor:
-    "`paged_attention_torch` in one launch: every sequence's causal attention `[T, H, D]`, keys read in place."
+                           num_splits: int | None = None, tiles: TritonTiles | None = None) -> torch.Tensor:
+    "`paged_attention_torch` in one launch: every sequence's causal attention `[T, H, D]`, keys read in place (`tiles`: a sweep's, else `triton_tiles`)."
     md, (T, H, D) = metadata, q.shape
     paged = not md.is_prefill or md.block_tables is not None
     if paged:  # the cache, one row per slot: [num_blocks * block_size, KVH, D]
@@ -287,7 +311,7 @@ def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     splits = (num_splits or decode_splits(T, KVH, _multiprocessors(q.device))) if decode else 1
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {splits}")
-    tiles = triton_tiles(H, KVH, decode, q.dtype)
+    tiles = tiles or triton_tiles(H, KVH, decode, q.dtype, D, compute_capability(q.device))
     head_pad = max(16, triton.next_power_of_2(D))  # a power of two, and at least what `tl.dot` takes
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     if T == 0:
