@@ -5,7 +5,7 @@
 # %% ../nbs/05a_sampler.ipynb #d883f0c9
 from __future__ import annotations
 
-import hashlib
+import numbers
 from typing import Sequence
 
 import torch
@@ -14,16 +14,15 @@ from torch import nn
 from .layers.embed_head import first_max
 
 # %% auto #0
-__all__ = ['GREEDY_TEMPERATURE', 'apply_top_k_top_p', 'apply_min_p', 'row_seed', 'exponential_noise', 'check_sampling_inputs',
-           'Sampler', 'apply_penalties', 'mask_tokens', 'add_logit_bias', 'token_logprobs']
+__all__ = ['MASK32', 'PHILOX_MULTIPLIERS', 'PHILOX_KEY_STEPS', 'NOISE_CHUNK', 'GREEDY_TEMPERATURE', 'apply_top_k_top_p',
+           'apply_min_p', 'philox4x32', 'int64_seed', 'seeded_noise', 'to_device', 'exponential_noise',
+           'check_sampling_inputs', 'Sampler', 'apply_penalties', 'mask_tokens', 'add_logit_bias', 'token_logprobs']
 
 # %% ../nbs/05a_sampler.ipynb #344dc417
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     "`logits` `[B, V]` with tokens outside each row's top-k, then outside its top-p nucleus, set to `-inf`."
     vocab = logits.shape[-1]
     use_k, use_p = (top_ks > 0) & (top_ks < vocab), top_ps < 1
-    if not (use_k.any() or use_p.any()):
-        return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     kth = sorted_logits.gather(-1, (torch.where(use_k, top_ks, vocab) - 1)[:, None])
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
@@ -37,97 +36,137 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.
 # %% ../nbs/05a_sampler.ipynb #5f0c2d7e
 def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     "`logits` `[B, V]` with tokens less likely than `min_ps[i]` times row i's most likely token set to `-inf`."
-    if not (min_ps > 0).any():
-        return logits
     probs = logits.softmax(dim=-1)
     # subtle: the most likely token is never below min_p (<= 1) times itself, so every row keeps a token; rows with
     # min_p = 0 keep all of theirs, since no probability is below 0
     return logits.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * min_ps[:, None], float("-inf"))
 
 # %% ../nbs/05a_sampler.ipynb #09a4ffcf
-def row_seed(seed: int, step: int) -> int:
-    "A 64-bit generator seed for one request's `step`-th token, mixed from its `seed` by a hash."
-    return int.from_bytes(hashlib.blake2b(f"{seed},{step}".encode(), digest_size=8).digest(), "little")
+MASK32 = 0xFFFFFFFF
+PHILOX_MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)  # Random123's round multipliers, as torch's and Triton's Philox
+PHILOX_KEY_STEPS = (0x9E3779B9, 0xBB67AE85)  # added to the key after each round: the golden ratio and sqrt(3) - 1
+
+def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = 10) -> tuple:
+    "Philox4x32's four random 32-bit words for counter `(c0, c1, c2, c3)` and key `(k0, k1)`, each an int64 tensor (or int) of 32-bit words."
+    (a, b), (step0, step1) = PHILOX_MULTIPLIERS, PHILOX_KEY_STEPS
+    for _ in range(rounds):
+        # subtle: a product of two 32-bit words can pass int64's range; it wraps modulo 2**64, which keeps its
+        # low 64 bits, the only ones read
+        p0, p2 = c0 * a, c2 * b
+        c0, c1, c2, c3 = ((p2 >> 32) & MASK32) ^ c1 ^ k0, p2 & MASK32, ((p0 >> 32) & MASK32) ^ c3 ^ k1, p0 & MASK32
+        k0, k1 = (k0 + step0) & MASK32, (k1 + step1) & MASK32
+    return c0, c1, c2, c3
+
+def int64_seed(seed: int) -> int:
+    "`seed` as a signed 64-bit integer, wrapped like two's complement: the seeds `SamplingParams` admits (|seed| < 2**63) stay themselves."
+    return (seed + 2**63) % 2**64 - 2**63
+
+NOISE_CHUNK = 1 << 17  # counters per chunk on the CPU: Philox's temporaries stay in the cache
+
+def seeded_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    "`Exp(1)` noise `[R, vocab]`: token j of row i from Philox4x32-10 with key `seeds[i]` and counter `(j // 4, steps[i])`."
+    rows, counters, device = len(seeds), -(-vocab // 4), seeds.device
+    k0, k1, step = (seeds & MASK32)[:, None], ((seeds >> 32) & MASK32)[:, None], (steps & MASK32)[:, None]
+    noise = torch.empty(rows, vocab, device=device)
+    # subtle: a GPU computes every counter at once (one set of kernels, as a graph needs); a CPU goes in cache-sized chunks
+    chunk = max(NOISE_CHUNK // max(rows, 1), 1) if device.type == "cpu" else counters
+    for start in range(0, counters, chunk):
+        end = min(start + chunk, counters)
+        counter = torch.arange(start, end, device=device)
+        words = torch.stack(philox4x32(counter, step, 0, 0, k0, k1), dim=-1).view(rows, -1)[:, :vocab - 4 * start]
+        # subtle: the top 23 bits plus a half are exact in float32 and give u in [2**-24, 1 - 2**-24]: -log(u) > 0
+        noise[:, 4 * start:4 * end] = ((words >> 9).float() + 0.5).mul_(2.0 ** -23).log_().neg_()
+    return noise
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    "`host` (a CPU tensor) on `device` without waiting for it: a pinned, asynchronous copy to a GPU; itself on the CPU."
+    if torch.device(device).type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 def exponential_noise(batch: int, vocab: int, seeds: Sequence[int | None], steps: Sequence[int] | None,
                       generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
-    "`Exp(1)` noise `[batch, vocab]`: row i from `row_seed(seeds[i], steps[i])` if seeded, else from `generator`."
-    noise = torch.empty(batch, vocab, device=device)
-    unseeded = [i for i, seed in enumerate(seeds) if seed is None]
-    if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=generator)
-    if len(unseeded) < batch:
-        row_generator = torch.Generator(device=device)
-        for i, seed in enumerate(seeds):
-            if seed is not None:
-                row_generator.manual_seed(row_seed(seed, steps[i]))
-                noise[i].exponential_(generator=row_generator)
+    "`Exp(1)` noise `[batch, vocab]`: row i from `seeded_noise` at `(seeds[i], steps[i])` if seeded, else from `generator`."
+    seeded = [seed is not None for seed in seeds]
+    noise = None
+    if not all(seeded):
+        noise = torch.empty(batch, vocab, device=device).exponential_(generator=generator)
+    if any(seeded):
+        keys = to_device(torch.tensor([[int64_seed(seed) if s else 0 for seed, s in zip(seeds, seeded)],
+                                       [step if s else 0 for step, s in zip(steps, seeded)], seeded], dtype=torch.int64), device)
+        drawn = seeded_noise(keys[0], keys[1], vocab)
+        noise = drawn if noise is None else torch.where(keys[2, :, None].bool(), drawn, noise)
     return noise
 
 # %% ../nbs/05a_sampler.ipynb #03e62c41
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy: logits / t would overflow float32
 
+def _host_list(name: str, values, batch: int) -> list:
+    "`values` as a Python list of `batch` settings; `ValueError` naming `name` if it has another shape."
+    if isinstance(values, torch.Tensor) and values.shape == (batch,):
+        return values.tolist()
+    if not isinstance(values, torch.Tensor) and len(values) == batch:
+        return list(values)
+    raise ValueError(f"{name} must have shape ({batch},), one per row of logits, got {tuple(torch.as_tensor(values).shape)}")
+
 def check_sampling_inputs(logits: torch.Tensor, temperatures, top_ks, top_ps,
                           seeds: Sequence[int | None] | None = None, steps: Sequence[int] | None = None, min_ps=None
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    "`(temperatures, top_ks, top_ps, min_ps)` as float32, int64, float32, float32 (or None) tensors on `logits`' device; `ValueError` if invalid."
+                          ) -> tuple[list, list, list, list, list | None, list | None]:
+    "`(temperatures, top_ks, top_ps, seeds, steps, min_ps)` as lists (seeds `[None] * B` if none); `ValueError` if a shape is wrong."
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a float tensor [batch, vocab], got {logits.dtype} {tuple(logits.shape)}")
-    batch, device = logits.shape[0], logits.device
-    def per_row(name, values, dtype=None):
-        values = torch.as_tensor(values, dtype=dtype, device=device)
-        if values.shape != (batch,):
-            raise ValueError(f"{name} must have shape ({batch},), one per row of logits, got {tuple(values.shape)}")
-        return values
-    temperatures = per_row("temperatures", temperatures, torch.float32)
-    top_ps = per_row("top_ps", top_ps, torch.float32)
-    top_ks = per_row("top_ks", top_ks)
-    if top_ks.is_floating_point() or top_ks.dtype == torch.bool:
+    batch = logits.shape[0]
+    if isinstance(top_ks, torch.Tensor) and (top_ks.is_floating_point() or top_ks.dtype == torch.bool):
         raise ValueError(f"top_ks must be integers (0 or -1 = off), got {top_ks.dtype}")
-    if not (torch.isfinite(temperatures) & (temperatures >= 0)).all():
-        raise ValueError(f"temperatures must be finite and >= 0 (0 = greedy), got {temperatures.tolist()}")
-    if not ((top_ps > 0) & (top_ps <= 1)).all():
-        raise ValueError(f"top_ps must lie in (0, 1] (1 = off), got {top_ps.tolist()}")
-    if (top_ks < -1).any():
-        raise ValueError(f"top_ks must be positive, or 0 or -1 for off, got {top_ks.tolist()}")
+    temperatures, top_ks, top_ps = (_host_list(name, values, batch) for name, values in
+                                    (("temperatures", temperatures), ("top_ks", top_ks), ("top_ps", top_ps)))
+    if not all(isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in top_ks):
+        raise ValueError(f"top_ks must be integers (0 or -1 = off), got {top_ks}")
     if min_ps is not None:
-        min_ps = per_row("min_ps", min_ps, torch.float32)
-        if not ((min_ps >= 0) & (min_ps <= 1)).all():
-            raise ValueError(f"min_ps must lie in [0, 1] (0 = off), got {min_ps.tolist()}")
-    if seeds is not None:
-        if len(seeds) != batch:
-            raise ValueError(f"seeds must have one entry (an int or None) per row: {batch}, got {len(seeds)}")
-        if any(s is not None for s in seeds) and (steps is None or len(steps) != batch):
+        min_ps = _host_list("min_ps", min_ps, batch)
+    seeds = [None] * batch if seeds is None else list(seeds)
+    if len(seeds) != batch:
+        raise ValueError(f"seeds must have one entry (an int or None) per row: {batch}, got {len(seeds)}")
+    if any(s is not None for s in seeds):
+        if steps is None or len(steps) != batch:
             raise ValueError(f"seeded sampling needs steps, one per row ({batch}): how many tokens each request "
                              f"has generated so far; got {steps!r}")
-        if steps is not None and any(int(s) < 0 for s in steps):
-            raise ValueError(f"steps must be >= 0, got {list(steps)}")
-    return temperatures, top_ks.long(), top_ps, min_ps
+        steps = [int(s) for s in steps]
+        if min(steps) < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+    return temperatures, top_ks, top_ps, seeds, steps, min_ps
 
 # %% ../nbs/05a_sampler.ipynb #75c035ed
 class Sampler(nn.Module):
     "Next tokens from logits `[B, V]`: greedy where temperature is 0, else temperature, min-p, top-k, top-p, a seeded draw."
     def forward(self, logits: torch.Tensor, temperatures, top_ks, top_ps, seeds: Sequence[int | None] | None = None,
                 steps: Sequence[int] | None = None, generator: torch.Generator | None = None, min_ps=None) -> torch.Tensor:
-        "One token id (int64) per row; `seeds[i]` with `steps[i]` makes row i reproducible, else `generator` draws."
-        temperatures, top_ks, top_ps, min_ps = check_sampling_inputs(logits, temperatures, top_ks, top_ps, seeds, steps,
-                                                                     min_ps)
+        "One token id (int64) per row; `seeds[i]` with `steps[i]` makes row i reproducible, else `generator` draws. Values are trusted (`SamplingParams` checks them)."
+        temperatures, top_ks, top_ps, seeds, steps, min_ps = check_sampling_inputs(logits, temperatures, top_ks, top_ps,
+                                                                                   seeds, steps, min_ps)
         logits = logits.float()
-        greedy = temperatures < GREEDY_TEMPERATURE
-        greedy_tokens = first_max(logits)  # argmax: the first of tied maxima
-        if greedy.all():
-            return greedy_tokens
-        # subtle: greedy rows divide by 1, not 0; their sampled token is discarded below.
-        scaled = logits / torch.where(greedy, 1.0, temperatures)[:, None]
-        if min_ps is not None:
-            scaled = apply_min_p(scaled, min_ps)  # after temperature, before top-k and top-p, as in vLLM
-        probs = apply_top_k_top_p(scaled, top_ks, top_ps).softmax(dim=-1)
         batch, vocab = logits.shape
-        noise = exponential_noise(batch, vocab, seeds or [None] * batch, steps, generator, logits.device)
-        # subtle: Exp(1) noise can be exactly 0; the clamp keeps a removed token (p = 0) at 0 rather than
-        # 0/0 = NaN, which argmax would pick.
+        is_greedy = [t < GREEDY_TEMPERATURE for t in temperatures]
+        if all(is_greedy):
+            return first_max(logits)  # argmax: the first of tied maxima
+        # subtle: the one copy of this step's settings; top_k is clamped to the vocabulary (the same cut) so that
+        # float64 holds it exactly, and the greedy rows are the host's, so that host and device agree on them
+        rows = to_device(torch.tensor([temperatures, top_ps, min_ps or [0.0] * batch, [min(k, vocab) for k in top_ks],
+                                       is_greedy], dtype=torch.float64), logits.device)
+        temps, top_p, min_p, top_k, greedy = rows[0].float(), rows[1].float(), rows[2].float(), rows[3].long(), rows[4] > 0
+        # subtle: greedy rows divide by 1, not 0; their sampled token is discarded below.
+        scaled = logits / torch.where(greedy, 1.0, temps)[:, None]
+        if min_ps is not None and any(p > 0 for p in min_ps):
+            scaled = apply_min_p(scaled, min_p)  # after temperature, before top-k and top-p, as in vLLM
+        if any(0 < k < vocab for k in top_ks) or any(p < 1 for p in top_ps):
+            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+        probs = scaled.softmax(dim=-1)
+        noise = exponential_noise(batch, vocab, seeds, steps, generator, logits.device)
+        # subtle: the generator's Exp(1) noise can be exactly 0; the clamp keeps a removed token (p = 0) at 0 rather
+        # than 0/0 = NaN, which argmax would pick.
         sampled = (probs / noise.clamp_min_(1e-10)).argmax(dim=-1)
-        return torch.where(greedy, greedy_tokens, sampled)
+        # subtle: the greedy rows' argmax only where there are some: a pass over the logits saved otherwise
+        return torch.where(greedy, first_max(logits), sampled) if any(is_greedy) else sampled
 
 # %% ../nbs/05a_sampler.ipynb #16f2c0ce
 def _seen(token_ids: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:
@@ -188,10 +227,12 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Seque
     if not wanted:
         return out
     logprobs = torch.log_softmax(logits[wanted].float(), dim=-1)
-    chosen = logprobs.gather(1, token_ids[wanted].view(-1, 1)).squeeze(1).tolist()
+    chosen_ids = token_ids[wanted].view(-1, 1)
     k = max(num_top[i] for i in wanted)
     top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
-    for row, (i, lp, ids, lps) in enumerate(zip(wanted, chosen, top_ids.tolist(), top_lp.tolist())):
-        out[i] = dict(zip(ids[:num_top[i]], lps[:num_top[i]]))
-        out[i][int(token_ids[i])] = lp  # subtle: the sampled token is always there, top-k or not
+    # subtle: one read of it all, as float64, which holds token ids and float32 log-probabilities exactly
+    table = torch.cat([t.double() for t in (chosen_ids, logprobs.gather(1, chosen_ids), top_ids, top_lp)], dim=1).tolist()
+    for i, (token, lp, *top) in zip(wanted, table):
+        out[i] = dict(zip(map(int, top[:num_top[i]]), top[k:k + num_top[i]]))
+        out[i][int(token)] = lp  # subtle: the sampled token is always there, top-k or not
     return out

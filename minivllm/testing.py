@@ -44,15 +44,16 @@ from .cluster.wire import ClusterKey
 from .shm_allreduce import SEGMENT_PREFIX
 
 # %% auto #0
-__all__ = ['CHAT_TEMPLATE', 'ATTENTION_TOL', 'PROGRAM_ORDERS', 'FAKE_VOCAB', 'BAD_REQUEST_VALUES', 'make_chat_checkpoint',
-           'greedy_generate', 'prefill_logits', 'hf_logits', 'hf_greedy', 'rand', 'load_layer', 'load_tensors',
-           'split_heads', 'gqa_attention', 'TinyLM', 'hf_rope', 'hf_rotate', 'dense_causal_attention',
-           'random_sequences', 'cat_rows', 'scattered_block_tables', 'tiny_store_inputs', 'PagedCase',
-           'check_prefill_then_decode', 'interpreter_programs', 'written_twice', 'jit_variant', 'triton_variants',
-           'check_invariants', 'next_token', 'FakeRunner', 'reference_tokens', 'check_batch', 'step_states',
-           'run_scheduler', 'run_until_done', 'InterruptedAfterOneStep', 'Recorder', 'records', 'run_on_ranks',
-           'CommandRecorder', 'serve_commands', 'gone', 'wait_until', 'rank_processes', 'shm_segments',
-           'leftover_segments', 'server_metrics', 'engine_idle_after', 'rss_mib', 'WorkerNode', 'tcp_listeners']
+__all__ = ['CHAT_TEMPLATE', 'ATTENTION_TOL', 'PROGRAM_ORDERS', 'FAKE_VOCAB', 'HOST_READ_METHODS', 'HOST_READ_OPS',
+           'BAD_REQUEST_VALUES', 'make_chat_checkpoint', 'greedy_generate', 'prefill_logits', 'hf_logits', 'hf_greedy',
+           'rand', 'load_layer', 'load_tensors', 'split_heads', 'gqa_attention', 'TinyLM', 'hf_rope', 'hf_rotate',
+           'dense_causal_attention', 'random_sequences', 'cat_rows', 'scattered_block_tables', 'tiny_store_inputs',
+           'PagedCase', 'check_prefill_then_decode', 'interpreter_programs', 'written_twice', 'jit_variant',
+           'triton_variants', 'check_invariants', 'next_token', 'FakeRunner', 'reference_tokens', 'check_batch',
+           'step_states', 'run_scheduler', 'run_until_done', 'HostReads', 'count_host_reads', 'InterruptedAfterOneStep',
+           'Recorder', 'records', 'run_on_ranks', 'CommandRecorder', 'serve_commands', 'gone', 'wait_until',
+           'rank_processes', 'shm_segments', 'leftover_segments', 'server_metrics', 'engine_idle_after', 'rss_mib',
+           'WorkerNode', 'tcp_listeners']
 
 # %% ../nbs/18_testing.ipynb #9570d09d
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -484,6 +485,73 @@ def run_until_done(scheduler: Scheduler, runner, channel=None, max_steps: int = 
         batch = scheduler.schedule()
         scheduler.postprocess(batch, *execute_step(batch.step, runner, channel))
     raise RuntimeError(f"requests still unfinished after {max_steps} steps")
+
+# %% ../nbs/18_testing.ipynb #a18eafb1
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# what reads values into Python without an aten op of its own on the CPU
+HOST_READ_METHODS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.__repr__}
+# ops that read values back: `_local_scalar_dense` is item(), bool(), int(), float() and an index; the others give
+# an answer whose shape (or truth) depends on the values
+HOST_READ_OPS = {"_local_scalar_dense", "equal", "is_nonzero", "nonzero", "masked_select", "unique", "_unique",
+                 "_unique2", "unique_consecutive", "unique_dim", "bincount", "repeat_interleave", "histc"}
+
+class HostReads:
+    "The reads of tensor values into Python seen in a `count_host_reads` block: how many, and what and where each was."
+    def __init__(self):
+        self.sites: list[str] = []
+
+    @property
+    def count(self) -> int: return len(self.sites)
+
+    def add(self, what: str) -> None:
+        "Record a read, at the innermost frame outside torch and this module."
+        here = next((f for f in reversed(traceback.extract_stack()) if "/torch/" not in f.filename
+                     and not f.filename.endswith(("testing.py", "18_testing.ipynb"))), None)
+        self.sites.append(f"{what} at {Path(here.filename).name}:{here.lineno}" if here else what)
+
+    def __repr__(self) -> str: return f"HostReads({self.count}: {self.sites})"
+
+def _copy_to_host(func, args, kwargs) -> bool:
+    "Whether a call copies a tensor from a device to the CPU: `.cpu()`, or `.to()` naming the CPU (on the CPU, neither copies)."
+    if func is torch.Tensor.cpu:
+        return args[0].device.type != "cpu"
+    return func is torch.Tensor.to and args[0].device.type != "cpu" and any(
+        isinstance(a, (str, torch.device)) and torch.device(a).type == "cpu" for a in (*args[1:], kwargs.get("device")))
+
+class _ReadMethods(TorchFunctionMode):
+    "Counts the Python-level reads: `tolist`, `numpy`, `repr`, and a device's `cpu()` or `to('cpu')`."
+    def __init__(self, reads: HostReads):
+        super().__init__()
+        self.reads = reads
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in HOST_READ_METHODS or _copy_to_host(func, args, kwargs):
+            self.reads.add(func.__name__)
+        return func(*args, **kwargs)
+
+class _ReadOps(TorchDispatchMode):
+    "Counts the ops that read values back: item and its kin, data-dependent shapes, a boolean mask as an index."
+    def __init__(self, reads: HostReads):
+        super().__init__()
+        self.reads = reads
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        masks = name in ("index", "index_put", "index_put_") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))
+        if name in HOST_READ_OPS or masks:
+            self.reads.add(name if not masks else f"{name} by a boolean mask")
+        return func(*args, **(kwargs or {}))
+
+@contextmanager
+def count_host_reads():
+    "A block in which every read of tensor values into Python (what syncs a GPU) is counted: `with count_host_reads() as reads:`."
+    reads = HostReads()
+    with _ReadMethods(reads), _ReadOps(reads):
+        yield reads
 
 # %% ../nbs/18_testing.ipynb #5ed905ed
 class InterruptedAfterOneStep(LLM):

@@ -19,8 +19,9 @@ from minivllm.cpu import use_cpu_kernels
 from minivllm.layers.embed_head import first_max
 from minivllm.testing import hf_rope, hf_rotate
 from minivllm.layers.common import RMSNorm, RotaryEmbedding, SiluAndMul, get_rope, rope_inv_freq
-from minivllm.sampler import (GREEDY_TEMPERATURE, Sampler, apply_min_p, apply_penalties, apply_top_k_top_p,
-                              check_sampling_inputs, exponential_noise, mask_tokens, row_seed)
+from minivllm.sampler import (GREEDY_TEMPERATURE, MASK32, Sampler, apply_min_p, apply_penalties, apply_top_k_top_p,
+                              check_sampling_inputs, exponential_noise, int64_seed, mask_tokens, philox4x32, seeded_noise)
+from minivllm.sampling_params import ParamError, SamplingParams
 
 transformers.logging.set_verbosity_error()
 
@@ -298,7 +299,20 @@ def test_min_p_matches_hf_warper():
         ref = MinPLogitsWarper(float(min_ps[i]))(None, logits[i:i + 1].clone())[0] if min_ps[i] > 0 else logits[i]
         torch.testing.assert_close(ours[i], ref, **EXACT)
     assert ours[1].isfinite().sum() == 1 and ours[0].isfinite().all()
-    assert apply_min_p(logits, torch.zeros(B)) is logits  # off: no softmax at all
+    torch.testing.assert_close(apply_min_p(logits, torch.zeros(B)), logits, **EXACT)  # off: every token stays
+
+
+def test_sampler_skips_what_no_row_uses(monkeypatch):
+    "Off for every row (by the host lists): no min-p softmax, no top-k/top-p sort at all."
+    import minivllm.sampler as sampler_module
+
+    def never(*args):
+        raise AssertionError("called with every row off")
+    monkeypatch.setattr(sampler_module, "apply_min_p", never)
+    monkeypatch.setattr(sampler_module, "apply_top_k_top_p", never)
+    logits = torch.randn(3, 10, generator=gen(1))
+    tokens = Sampler()(logits, [1.0, 0.5, 0.0], [0, -1, 10], [1.0] * 3, generator=gen(2), min_ps=[0.0] * 3)
+    assert tokens.shape == (3,) and tokens[2] == logits[2].argmax()
 
 
 def test_sampling_follows_min_p_after_temperature():
@@ -348,7 +362,7 @@ def test_mask_tokens():
 
 def test_top_k_top_p_off_returns_input():
     logits = torch.randn(3, 10)
-    assert apply_top_k_top_p(logits, torch.tensor([0, -1, 10]), torch.ones(3)) is logits
+    torch.testing.assert_close(apply_top_k_top_p(logits, torch.tensor([0, -1, 10]), torch.ones(3)), logits, **EXACT)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -474,9 +488,12 @@ def test_unseeded_rows_use_the_generator_or_the_global_rng():
     assert sample(logits).equal(first)
 
 
-def test_noise_and_row_seed():
-    assert row_seed(1, 2) == row_seed(1, 2) and 0 <= row_seed(-5, 0) < 2**64
-    assert len({row_seed(s, t) for s in range(-20, 20) for t in range(50)}) == 2000
+def test_noise_and_int64_seed():
+    assert int64_seed(-5) == -5 and int64_seed(2**63 - 1) == 2**63 - 1 and int64_seed(2**64 - 5) == -5
+    seeds, steps = zip(*[(s, t) for s in range(-20, 20) for t in range(50)])
+    first = seeded_noise(torch.tensor(seeds), torch.tensor(steps), 4)
+    assert first.equal(seeded_noise(torch.tensor(seeds), torch.tensor(steps), 4))  # the same (seed, step), the same noise
+    assert len({tuple(row) for row in first.tolist()}) == 2000  # neighbouring seeds and steps: unrelated noise
     noise = exponential_noise(4, 20000, [None, 3, None, 3], [0, 0, 0, 1], generator=gen(0))
     assert (noise > 0).all()
     torch.testing.assert_close(noise.mean(-1), torch.ones(4), atol=0.03, rtol=0)
@@ -492,20 +509,29 @@ def test_tensor_settings_and_output():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(temperatures=[1.0, -0.1]), "temperatures must be finite and >= 0"),
-    (dict(temperatures=[1.0, float("inf")]), "temperatures must be finite and >= 0"),
+    (dict(temperature=-0.1), r"temperature must be a finite number >= 0 \(0 = greedy\), got -0.1"),
+    (dict(temperature=float("inf")), "temperature must be a finite number >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\] \(1 = off\), got 0.0"),
+    (dict(top_p=1.01), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-5), r"top_k must be -1 \(off\) or an integer >= 1, got -5"),
+    (dict(min_p=1.1), r"min_p must be a number from 0 to 1 \(0 = off\), got 1.1"),
+])
+def test_invalid_values_are_refused_at_the_door(kwargs, message):
+    "Values out of range are SamplingParams' to refuse, when a request is made; the sampler trusts what reaches it."
+    with pytest.raises(ParamError, match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,message", [
     (dict(temperatures=[1.0]), r"temperatures must have shape \(2,\)"),
-    (dict(top_ps=[1.0, 0.0]), r"top_ps must lie in \(0, 1\]"),
-    (dict(top_ps=[1.0, 1.01]), r"top_ps must lie in \(0, 1\]"),
     (dict(top_ps=[[1.0, 1.0]]), r"top_ps must have shape \(2,\)"),
-    (dict(top_ks=[0, -5]), "top_ks must be positive, or 0 or -1 for off"),
     (dict(top_ks=[0.0, 3.0]), "top_ks must be integers"),
+    (dict(top_ks=torch.tensor([0.0, 3.0])), "top_ks must be integers"),
     (dict(top_ks=[0, 0, 0]), r"top_ks must have shape \(2,\)"),
     (dict(seeds=[1, 2, 3], steps=[0, 0, 0]), r"seeds must have one entry \(an int or None\) per row"),
     (dict(seeds=[1, None]), "seeded sampling needs steps"),
     (dict(seeds=[1, None], steps=[0]), "seeded sampling needs steps"),
     (dict(seeds=[1, None], steps=[0, -1]), "steps must be >= 0"),
-    (dict(min_ps=[0.0, 1.1]), r"min_ps must lie in \[0, 1\] \(0 = off\), got \[0.0, 1.1"),
     (dict(min_ps=[0.1]), r"min_ps must have shape \(2,\)"),
     (dict(logits=torch.zeros(2, 3, 4)), r"logits must be a float tensor \[batch, vocab\]"),
     (dict(logits=torch.zeros(2, 4, dtype=torch.long)), r"logits must be a float tensor \[batch, vocab\]"),
@@ -518,10 +544,106 @@ def test_invalid_inputs(kwargs, message):
 
 
 def test_check_sampling_inputs_converts():
-    t, k, p, m = check_sampling_inputs(torch.zeros(2, 4), (0.5, 0.0), (3, -1), (0.9, 1.0))
-    assert (t.dtype, k.dtype, p.dtype, m) == (torch.float32, torch.int64, torch.float32, None)
-    assert check_sampling_inputs(torch.zeros(2, 4), (0.5, 0.0), (3, -1), (0.9, 1.0), min_ps=[0, 0.5])[3].dtype == torch.float32
-    assert k.tolist() == [3, -1] and math.isclose(t[0].item(), 0.5)
+    "Settings come back as host lists (a tensor read once), seeds as one None per row when none are given."
+    t, k, p, seeds, steps, m = check_sampling_inputs(torch.zeros(2, 4), (0.5, 0.0), (3, -1), (0.9, 1.0))
+    assert (t, k, p, seeds, steps, m) == ([0.5, 0.0], [3, -1], [0.9, 1.0], [None, None], None, None)
+    t, k, p, _, _, m = check_sampling_inputs(torch.zeros(2, 4), torch.tensor([0.5, 0.0], dtype=torch.float64),
+                                             torch.tensor([3, -1]), torch.tensor([0.9, 1.0]), min_ps=[0, 0.5])
+    assert k == [3, -1] and all(type(v) is int for v in k) and m == [0, 0.5] and math.isclose(t[0], 0.5)
+    assert math.isclose(p[0], 0.9, rel_tol=1e-7)  # float32's 0.9, read into a Python float
+
+
+def test_philox_on_int64_tensors_is_philox_on_python_ints():
+    "Products past int64 wrap; the masked words equal Philox computed on Python's unbounded ints."
+    g = gen(3)
+    words = torch.randint(0, 2**32, (6, 500), generator=g)
+    words[:, :4] = torch.tensor([MASK32, 0, MASK32, 1])  # the extremes too, in every word
+    ours = torch.stack(philox4x32(*words))
+    for j in range(words.shape[1]):
+        assert ours[:, j].tolist() == list(philox4x32(*(int(w) for w in words[:, j]))), j
+
+
+def test_seeded_noise_is_tritons_philox():
+    "Token j at step s is word j % 4 of `tl.randint4x(seed, (s << 32) + j // 4)`: a Triton kernel draws the same bits."
+    from minivllm.gpu.triton_attention import HAS_TRITON, TRITON_RUNS_ON_CPU
+    if not (HAS_TRITON and (torch.cuda.is_available() or TRITON_RUNS_ON_CPU)):
+        pytest.skip("needs triton (>= 3.2 to run on the CPU, in its interpreter)")
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def draw(seed, step, out, BLOCK: tl.constexpr):
+        j = tl.arange(0, BLOCK)
+        w0, w1, w2, w3 = tl.randint4x(seed, (step.to(tl.int64) << 32) + j.to(tl.int64))
+        tl.store(out + 4 * j, w0.to(tl.int64, bitcast=False) & 0xFFFFFFFF)
+        tl.store(out + 4 * j + 1, w1.to(tl.int64, bitcast=False) & 0xFFFFFFFF)
+        tl.store(out + 4 * j + 2, w2.to(tl.int64, bitcast=False) & 0xFFFFFFFF)
+        tl.store(out + 4 * j + 3, w3.to(tl.int64, bitcast=False) & 0xFFFFFFFF)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for seed, step in ((0, 0), (7, 3), (-123456789012345, 41), (2**63 - 1, 2**31 - 1)):
+        out = torch.empty(4 * 64, dtype=torch.int64, device=device)
+        draw[(1,)](seed, step, out, BLOCK=64)
+        counter = torch.arange(64)
+        ours = torch.stack(philox4x32(counter, torch.tensor(step) & MASK32, 0, 0, torch.tensor(seed) & MASK32,
+                                      (torch.tensor(seed) >> 32) & MASK32), dim=-1).flatten()
+        assert out.cpu().equal(ours), (seed, step)
+        u = ((out.cpu() >> 9).float() + 0.5) * 2.0 ** -23
+        torch.testing.assert_close(seeded_noise(torch.tensor([seed]), torch.tensor([step]), 256)[0], -u.log(), **EXACT)
+
+
+def chi_square_critical(df: int, z: float = 3.719) -> float:
+    "The chi-squared statistic with `df` degrees of freedom exceeded with probability 1e-4 (z: the normal's), by Wilson-Hilferty."
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def reference_distribution(logits, t, k, p, min_p):
+    "softmax(logits / t), then min-p, top-k and top-p as vLLM orders them, renormalised: a plain loop over one row."
+    q = (logits.double() / t).softmax(-1)
+    q = torch.where(q >= min_p * q.max(), q, 0)
+    order = q.argsort(descending=True)
+    keep = torch.zeros_like(q, dtype=torch.bool)
+    keep[order[:k if k > 0 else len(q)]] = True
+    q = torch.where(keep, q, 0) / q[keep].sum()
+    mass = 0.0
+    for i in order.tolist():
+        if mass >= p:
+            q[i] = 0
+        mass += q[i].item()
+    return q / q.sum()
+
+
+@pytest.mark.parametrize("seeded", ["distinct seeds", "distinct steps", "unseeded"])
+@pytest.mark.parametrize("t,k,p,min_p", [(1.0, -1, 1.0, 0.0), (0.7, 8, 1.0, 0.0), (1.4, -1, 0.85, 0.0),
+                                         (1.2, 10, 0.9, 0.02), (2.0, -1, 1.0, 0.1)])
+def test_chi_squared_of_the_sampled_distribution(seeded, t, k, p, min_p):
+    "20,000 draws over 12 tokens: Pearson's statistic against the reference distribution stays below its 1e-4 quantile."
+    V, N = 12, 20_000
+    logits = torch.randn(V, generator=gen(7)) * 1.5
+    q = reference_distribution(logits, t, k, p, min_p)
+    seeds = {"distinct seeds": list(range(N)), "distinct steps": [42] * N, "unseeded": [None] * N}[seeded]
+    steps = list(range(N)) if seeded == "distinct steps" else [3] * N
+    tokens = Sampler()(logits.expand(N, V), [t] * N, [k] * N, [p] * N, seeds=seeds, steps=steps, generator=gen(11),
+                       min_ps=[min_p] * N)
+    counts = tokens.bincount(minlength=V).double()
+    kept = q > 0
+    assert counts[~kept].sum() == 0  # a removed token is never drawn
+    expected = q[kept] * N
+    statistic = ((counts[kept] - expected) ** 2 / expected).sum().item()
+    assert statistic < chi_square_critical(int(kept.sum()) - 1), (statistic, q.tolist(), counts.tolist())
+
+
+def test_seeded_batch_is_the_same_twice_and_row_by_row():
+    "A seeded batch draws the same tokens on a second run, and each row the same as alone."
+    logits = torch.randn(40, 300, generator=gen(1))
+    args = ([1.0] * 40, [-1] * 40, [1.0] * 40)
+    kw = dict(seeds=[int64_seed(2**63 + i * 7919) for i in range(40)], steps=list(range(40)))
+    first = Sampler()(logits, *args, generator=gen(1), **kw)
+    assert first.equal(Sampler()(logits, *args, generator=gen(2), **kw))
+    for i in (0, 17, 39):
+        alone = Sampler()(logits[i:i + 1], [1.0], [-1], [1.0], seeds=kw["seeds"][i:i + 1], steps=[i])
+        assert alone[0] == first[i]
+    assert len(set(first.tolist())) > 30
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
