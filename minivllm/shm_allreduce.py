@@ -19,7 +19,6 @@ import torch
 from .distributed import (Communicator, PeerWatch, ProcessGroupCommunicator, RankFailure, SignedStore,
                                   process_state)
 from .shm import attach_shared_memory, create_shared_memory
-from .shm import SEGMENT_PREFIX  # noqa: F401  minivllm.testing imports it from here
 from fastcore.basics import patch
 
 # %% auto #0

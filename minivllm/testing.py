@@ -41,7 +41,7 @@ from .model_source import DEFAULT_MODEL
 from .llm import LLM
 from .models import CausalLM
 from .cluster.wire import ClusterKey
-from .shm_allreduce import SEGMENT_PREFIX
+from .shm import SEGMENT_PREFIX
 
 # %% auto #0
 __all__ = ['CHAT_TEMPLATE', 'ATTENTION_TOL', 'PROGRAM_ORDERS', 'FAKE_VOCAB', 'HOST_READ_METHODS', 'HOST_READ_OPS',
