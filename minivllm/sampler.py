@@ -16,7 +16,8 @@ from .layers.embed_head import first_max
 # %% auto #0
 __all__ = ['MASK32', 'PHILOX_MULTIPLIERS', 'PHILOX_KEY_STEPS', 'NOISE_CHUNK', 'GREEDY_TEMPERATURE', 'apply_top_k_top_p',
            'apply_min_p', 'philox4x32', 'int64_seed', 'seeded_noise', 'to_device', 'exponential_noise',
-           'check_sampling_inputs', 'Sampler', 'apply_penalties', 'mask_tokens', 'add_logit_bias', 'token_logprobs']
+           'check_sampling_inputs', 'Sampler', 'apply_penalties', 'mask_tokens', 'add_logit_bias', 'token_logprobs',
+           'tokens_and_logprobs']
 
 # %% ../nbs/05a_sampler.ipynb #344dc417
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
@@ -220,19 +221,27 @@ def add_logit_bias(logits: torch.Tensor, biases: Sequence[dict[int, float] | Non
     return logits.float().index_put(index, torch.tensor(values, dtype=torch.float32, device=logits.device), accumulate=True)
 
 # %% ../nbs/05a_sampler.ipynb #147add1f
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int | None]) -> list[dict[int, float] | None]:
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int | None]
+                   ) -> list[dict[int, float] | None]:
     "Per row: `{token id: log-probability}` of its sampled token and its `num_top[i]` most likely tokens (None: not asked)."
+    return tokens_and_logprobs(logits, token_ids, num_top)[1]
+
+def tokens_and_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int | None]
+                        ) -> tuple[list[int], list[dict[int, float] | None]]:
+    "`token_ids` as a list, and `token_logprobs`: one read of the device for both."
     wanted = [i for i, k in enumerate(num_top) if k is not None]
     out: list[dict[int, float] | None] = [None] * len(num_top)
     if not wanted:
-        return out
+        return token_ids.tolist(), out
     logprobs = torch.log_softmax(logits[wanted].float(), dim=-1)
     chosen_ids = token_ids[wanted].view(-1, 1)
     k = max(num_top[i] for i in wanted)
     top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    table = torch.cat([t.double() for t in (chosen_ids, logprobs.gather(1, chosen_ids), top_ids, top_lp)], dim=1)
     # subtle: one read of it all, as float64, which holds token ids and float32 log-probabilities exactly
-    table = torch.cat([t.double() for t in (chosen_ids, logprobs.gather(1, chosen_ids), top_ids, top_lp)], dim=1).tolist()
-    for i, (token, lp, *top) in zip(wanted, table):
+    flat, n, width = torch.cat([token_ids.double(), table.flatten()]).tolist(), len(token_ids), table.shape[1]
+    for row, i in enumerate(wanted):
+        token, lp, *top = flat[n + row * width:n + (row + 1) * width]
         out[i] = dict(zip(map(int, top[:num_top[i]]), top[k:k + num_top[i]]))
         out[i][int(token)] = lp  # subtle: the sampled token is always there, top-k or not
-    return out
+    return [int(t) for t in flat[:n]], out

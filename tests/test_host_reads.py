@@ -49,7 +49,11 @@ class CountingSampler(Sampler):
         return tokens
 
 
-@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+LOGPROBS = [SamplingParams(temperature=0.7, logprobs=3, max_tokens=4, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED, LOGPROBS], ids=["greedy", "sampled", "logprobs"])
 def test_a_decode_step_reads_the_device_once(runner, params):
     sched, batch = decode_step(runner, params)
     runner.sampler = sampler = CountingSampler()
@@ -60,11 +64,11 @@ def test_a_decode_step_reads_the_device_once(runner, params):
     finally:
         runner.sampler = Sampler()
     assert len(output.token_ids) == len(params)
-    if params is SAMPLED:
+    if params is not GREEDY:
         assert len(sampler.reads) == 1 and sampler.reads[0].count == 0, sampler.reads  # the sampler reads nothing
     sampling = [s for s in reads.sites if "sampler.py" in s or "step.py" in s]
-    assert sampling == [], sampling
-    assert reads.count == 1, reads  # the sampled tokens' tolist, and nothing else in the whole step
+    assert sampling == ([] if params is not LOGPROBS else [reads.sites[0]]), sampling  # the tokens with their logprobs
+    assert reads.count == 1, reads  # the sampled tokens (with their logprobs when asked), and nothing else
     sched.postprocess(batch, *output)
 
 
@@ -79,12 +83,12 @@ def test_sampler_alone_reads_nothing():
     assert tokens.shape == (6,)
 
 
-def test_a_decode_step_with_logprobs_reads_twice(runner):
-    "Asking for logprobs adds one read, of every asked row's log-probabilities at once (not one per row)."
+def test_a_decode_step_with_logprobs_reads_once(runner):
+    "Asking for logprobs adds no read: the tokens and every asked row's log-probabilities come back at once."
     params = [SamplingParams(temperature=0.9, seed=i, logprobs=3, max_tokens=4, ignore_eos=True) for i in range(4)]
     sched, batch = decode_step(runner, params)
     with torch.no_grad(), count_host_reads() as reads:
         output = runner.run(batch.step)
     assert all(len(lp) >= 3 for lp in output.logprobs)
-    assert reads.count == 2, reads  # the tokens, and the logprobs' table
+    assert reads.count == 1, reads  # the tokens and the logprobs' table, in one read
     sched.postprocess(batch, *output)

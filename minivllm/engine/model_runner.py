@@ -29,7 +29,7 @@ from .step import StepInputs, StepOutput
 from ..attention import cpu_decode_kernel
 from ..kv_cache import (allocate_kv_cache, blocks_for_budget, cpu_kv_cache_budget, cuda_kv_cache_budget,
                                kv_cache_bytes_per_block)
-from ..sampler import Sampler, token_logprobs
+from ..sampler import Sampler, token_logprobs, tokens_and_logprobs
 from ..models import build_model, load_checkpoint
 
 if TYPE_CHECKING:  # subtle: several machines (notebooks 09a, 10a) are imported where they are used, never by one machine's engine
@@ -306,8 +306,9 @@ def run(self: ModelRunner, step: StepInputs) -> StepOutput | None:
         return None
     s, raw = sampling, logits
     tokens = self.sampler(s.apply(logits), s.temperatures, s.top_ks, s.top_ps, s.seeds, s.steps, self.generator, s.min_ps)
-    logprobs = token_logprobs(raw, tokens, s.num_logprobs) if s.num_logprobs is not None else None
-    return StepOutput(tokens.tolist(), logprobs, prompt_logprobs)
+    if s.num_logprobs is None:
+        return StepOutput(tokens.tolist(), None, prompt_logprobs)  # subtle: the step's one read of the device
+    return StepOutput(*tokens_and_logprobs(raw, tokens, s.num_logprobs), prompt_logprobs)
 
 PROMPT_LOGPROB_ROWS = 512  # prompt rows per LM-head call: bounds its [rows, vocab] float32 logits (300 MB at 150k)
 
