@@ -171,12 +171,12 @@ class Sampler(nn.Module):
 
 # %% ../nbs/05a_sampler.ipynb #16f2c0ce
 def _seen(token_ids: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:
-    "How many times each token occurs in each row's `token_ids`, `[B, V]` float32."
+    "How many times each token occurs in each row's `token_ids`, `[B, V]` float32 (one copy of every id to the device)."
     counts = torch.zeros(len(token_ids), vocab, dtype=torch.float32, device=device)
-    for i, ids in enumerate(token_ids):
-        if ids:
-            counts[i].index_add_(0, torch.as_tensor(ids, dtype=torch.int64, device=device),
-                                 torch.ones(len(ids), device=device))
+    flat = [i * vocab + t for i, ids in enumerate(token_ids) for t in ids]  # subtle: row-major: one index a token
+    if flat:
+        index = to_device(torch.tensor(flat, dtype=torch.int64), device)
+        counts.view(-1).index_add_(0, index, torch.ones(len(flat), device=device))
     return counts
 
 def apply_penalties(logits: torch.Tensor, output_token_ids: Sequence[Sequence[int]], presence_penalties=None,
@@ -207,8 +207,8 @@ def mask_tokens(logits: torch.Tensor, token_ids: Sequence[Sequence[int]]) -> tor
     if not rows:
         return logits
     cols = [t for ids in token_ids for t in ids if t < vocab]
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-    return logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+    index = to_device(torch.tensor([rows, cols]), logits.device)  # one copy of both
+    return logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))  # a fill on the device, no copy
 
 def add_logit_bias(logits: torch.Tensor, biases: Sequence[dict[int, float] | None]) -> torch.Tensor:
     "Logits `[B, V]` (float32) with row i's `biases[i]` (token id -> bias) added (ids past the vocabulary left out)."
@@ -216,9 +216,10 @@ def add_logit_bias(logits: torch.Tensor, biases: Sequence[dict[int, float] | Non
     entries = [(i, t, b) for i, bias in enumerate(biases) if bias for t, b in bias.items() if t < vocab]
     if not entries:
         return logits
-    rows, cols, values = zip(*entries)
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-    return logits.float().index_put(index, torch.tensor(values, dtype=torch.float32, device=logits.device), accumulate=True)
+    # subtle: one float64 copy: it holds token ids and float32 biases exactly
+    table = to_device(torch.tensor(list(zip(*entries)), dtype=torch.float64), logits.device)
+    index = (table[0].long(), table[1].long())
+    return logits.float().index_put(index, table[2].float(), accumulate=True)
 
 # %% ../nbs/05a_sampler.ipynb #147add1f
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int | None]
