@@ -287,7 +287,7 @@ def test_a_model_on_the_triton_kernels_gives_transformers_greedy_tokens(tmp_path
 def test_a_decoder_layer_launches_at_most_twelve_kernels():
     "One decode step through a decoder layer on the fused kernels: at most 12 kernels (torch's small layers: about 60)."
     from minivllm.bench.gpu_step import decoder_layer_kernels
-    fused, unfused = decoder_layer_kernels("triton"), decoder_layer_kernels("torch")
+    fused, unfused = decoder_layer_kernels("triton", device=DEVICE), decoder_layer_kernels("torch", device=DEVICE)
     assert fused.total <= 12, dict(fused.kernels)
     assert unfused.total >= 40, dict(unfused.kernels)
     assert fused.kernels["aten.mm"] == 4 and not any(k.startswith("aten.") and k != "aten.mm" for k in fused.kernels)

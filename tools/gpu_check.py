@@ -23,7 +23,7 @@ prefill over a cached prefix, decodes at batch 1 and at its largest batch) befor
 compile falls inside a timing. Each step has a budget: its seconds go to stderr as it ends, and into the JSON.
 
 How --quick fits 4 minutes on an H100 (budgets in `plan_for`; estimates, not yet measured on a GPU):
-  tests 90 s: the three files in parallel where pytest-xdist is installed (their Triton compiles spread over the
+  tests 90 s: the four files in parallel where pytest-xdist is installed (their Triton compiles spread over the
     cores), killed and reported at 90 s; meanwhile the compile report runs and the workload's 0.6B checkpoint is made;
   greedy 30 s: 8 prompts of 16 tokens, CUDA graphs only (the engine's normal path; the full check adds eager and
     13 prompts of 32 tokens);
@@ -65,7 +65,8 @@ if TYPE_CHECKING:  # torch and minivllm are imported where they are used: the pr
 ROOT = Path(__file__).resolve().parents[1]
 COMPILE_REPORT = ROOT / "tools" / "gpu_compile_report.py"
 # the test files that exercise the GPU (and import only what the GPU image has, or minivllm's carried requirements)
-GPU_TEST_FILES = ("tests/test_triton_attention.py", "tests/test_cuda_graphs.py", "tests/test_kv_cache.py")
+GPU_TEST_FILES = ("tests/test_triton_attention.py", "tests/test_triton_layers.py", "tests/test_cuda_graphs.py",
+                  "tests/test_kv_cache.py")
 # module -> the distribution that installs it: what the check and GPU_TEST_FILES import, directly or through minivllm
 NEEDED_MODULES = {"torch": "torch", "triton": "triton", "transformers": "transformers", "safetensors": "safetensors",
                   "huggingface_hub": "huggingface_hub", "numpy": "numpy", "xxhash": "xxhash", "tqdm": "tqdm",

@@ -80,22 +80,23 @@ class KernelCount(TorchDispatchMode):
 
 # %% ../../nbs/14c_gpu_step.ipynb #fdbd335e
 def decoder_layer_kernels(layer_kernels: str | None, attention_backend: str | None = "triton", batch: int = 3,
-                          dtype: torch.dtype = torch.bfloat16) -> KernelCount:
-    "The kernels one decoder layer of a small Qwen3 launches in a decode step of `batch` sequences, its implementations chosen as a model's are."
+                          dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> KernelCount:
+    "The kernels one decoder layer of a small Qwen3 on `device` launches in a decode step of `batch` sequences, its implementations chosen as a model's are."
     from minivllm.kv_cache import allocate_kv_cache, decode_metadata
     from minivllm.models import build_model
     config = Config(model_type="qwen3", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, qk_norm=True,
                     dtype=dtype)
-    model, numbers = build_model(config), torch.Generator().manual_seed(0)
+    model, numbers = build_model(config, device), torch.Generator().manual_seed(0)
     with torch.no_grad():
         for weight in model.parameters():  # subtle: a built model's memory is uninitialised, overflowing any kernel
             weight.copy_(torch.randn(weight.shape, generator=numbers) * 0.1)
-    model.choose_implementations("cpu", attention_backend, block_size=16, layer_kernels=layer_kernels)
-    kv_cache = allocate_kv_cache(1, batch, 16, 2, 16, dtype, "cpu")
+    model.choose_implementations(device, attention_backend, block_size=16, layer_kernels=layer_kernels)
+    kv_cache = allocate_kv_cache(1, batch, 16, 2, 16, dtype, device)
     lengths = [5 + 3 * i for i in range(batch)]
-    metadata = decode_metadata([[i] for i in range(batch)], lengths, 16, group_size=None)
-    positions, hidden, residual = torch.tensor(lengths) - 1, torch.randn(batch, 64, dtype=dtype), torch.randn(batch, 64, dtype=dtype)
+    metadata = decode_metadata([[i] for i in range(batch)], lengths, 16, device, group_size=None)
+    positions = torch.tensor(lengths, device=device) - 1
+    hidden, residual = (torch.randn(batch, 64, generator=numbers).to(device, dtype) for _ in range(2))
     with torch.no_grad(), KernelCount() as count:
         model.model.layers[0](positions, hidden, residual, kv_cache[0, 0], kv_cache[1, 0], metadata)
     return count
