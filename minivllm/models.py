@@ -124,6 +124,8 @@ def layer_ops(kind: str | None, device: torch.device | str, dtype: torch.dtype):
         return layer_ops_for(device, dtype) if kind == "cpu" else None  # None where the C++ cannot be built
     from minivllm import gpu  # notebook 06c: loaded only where asked for, never on the CPU's own path
     ops = gpu.layer_ops_for(device, dtype, interpreted=device.type == "cpu")
+    if ops is None and not gpu.HAS_TRITON:
+        raise ValueError("the 'triton' layer kernels need triton, which is not installed (pip install triton)")
     if ops is None and device.type == "cpu":
         raise ValueError("the 'triton' layer kernels run on the CPU only in Triton's interpreter (slow, for tests): "
                          "set TRITON_INTERPRET=1 before starting, with triton >= 3.2")

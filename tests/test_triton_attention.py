@@ -218,3 +218,18 @@ def test_start_up_compiles_every_kernel_variant_a_run_launches(tmp_path):
     assert running <= at_start, running - at_start
     # a prefill, a prefill over a prefix and a decode: what a run launches on the CPU (no splits; the C++ store)
     assert len(running) == 3 and {name for name, _ in running} == {"_paged_attention_kernel"}
+
+
+def test_a_damaged_tiles_table_is_a_clear_error(tmp_path, monkeypatch):
+    "A triton_tiles.json that is not the sweep's table names the file and the fix."
+    import importlib.resources
+
+    import minivllm.gpu.triton_attention as ta
+    (tmp_path / ta.TILES_FILE).write_text("{not json")
+    monkeypatch.setattr(importlib.resources, "files", lambda package: tmp_path)
+    ta.measured_tiles.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="run the sweep again"):
+            ta.measured_tiles()
+    finally:
+        ta.measured_tiles.cache_clear()

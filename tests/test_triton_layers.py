@@ -291,3 +291,13 @@ def test_a_decoder_layer_launches_at_most_twelve_kernels():
     assert fused.total <= 12, dict(fused.kernels)
     assert unfused.total >= 40, dict(unfused.kernels)
     assert fused.kernels["aten.mm"] == 4 and not any(k.startswith("aten.") and k != "aten.mm" for k in fused.kernels)
+
+
+def test_asking_for_triton_layer_kernels_without_triton_says_how(monkeypatch):
+    "layer_kernels='triton' where triton is absent is a clear error, not torch's operations in silence."
+    import minivllm.gpu as gpu
+    from minivllm.models import layer_ops
+    monkeypatch.setattr(gpu, "HAS_TRITON", False)
+    monkeypatch.setattr(gpu, "layer_ops_for", lambda *a, **k: None)
+    with pytest.raises(ValueError, match="pip install triton"):
+        layer_ops("triton", "cuda", torch.bfloat16)

@@ -241,7 +241,11 @@ TILES_FILE = "triton_tiles.json"  # beside this module: {tiles_key: {"tile": key
 def measured_tiles() -> dict[str, dict[str, int]]:
     "The keys a tile and warps that `tools/gpu_check.py --sweep` timed fastest on a GPU, by `tiles_key`; empty until one ran."
     path = importlib.resources.files("minivllm.gpu") / TILES_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not the table tools/gpu_check.py --sweep writes ({e}): delete it (the kernel "
+                         "then uses its rule) or run the sweep again") from None
 
 def triton_tiles(num_heads: int, num_kv_heads: int, decode: bool, dtype: torch.dtype, head_dim: int = 0,
                  arch: int = 0) -> TritonTiles:
