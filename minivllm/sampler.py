@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import numbers
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -15,9 +15,9 @@ from .layers.embed_head import first_max
 
 # %% auto #0
 __all__ = ['MASK32', 'PHILOX_MULTIPLIERS', 'PHILOX_KEY_STEPS', 'NOISE_CHUNK', 'GREEDY_TEMPERATURE', 'apply_top_k_top_p',
-           'apply_min_p', 'philox4x32', 'int64_seed', 'seeded_noise', 'to_device', 'exponential_noise',
-           'check_sampling_inputs', 'Sampler', 'apply_penalties', 'mask_tokens', 'add_logit_bias', 'token_logprobs',
-           'tokens_and_logprobs']
+           'apply_min_p', 'philox4x32', 'int64_seed', 'seeded_noise', 'to_device', 'random_seeds', 'row_keys',
+           'exponential_noise', 'check_sampling_inputs', 'Sampler', 'apply_penalties', 'mask_tokens', 'add_logit_bias',
+           'token_logprobs', 'tokens_and_logprobs']
 
 # %% ../nbs/05a_sampler.ipynb #344dc417
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
@@ -85,6 +85,23 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
         return host
     return host.pin_memory().to(device, non_blocking=True)
 
+def random_seeds(batch: int, device: torch.device | str, generator: torch.Generator | None = None) -> torch.Tensor:
+    "`batch` int64 seeds drawn on `device` by `generator` (torch's default if None), for rows without one: no host read, so a CUDA graph can capture it."
+    return torch.randint(-2 ** 63, 2 ** 63 - 1, (batch,), dtype=torch.int64, device=device, generator=generator)
+
+def row_keys(seeds: Sequence[int | None], steps: Sequence[int] | None, generator: torch.Generator | None,
+             device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    "Each row's Philox key and counter word on `device`: its request's seed and step, or a seed `generator` draws (step 0)."
+    seeded = [seed is not None for seed in seeds]
+    keys = to_device(torch.tensor([[int64_seed(seed) if s else 0 for seed, s in zip(seeds, seeded)],
+                                   [step if s else 0 for step, s in zip(steps or [0] * len(seeds), seeded)]],
+                                  dtype=torch.int64), device)
+    if all(seeded):
+        return keys[0], keys[1]
+    # subtle: the mask is the host's: one more copy, never a read back
+    mask = to_device(torch.tensor(seeded), device)
+    return torch.where(mask, keys[0], random_seeds(len(seeds), device, generator)), keys[1]
+
 def exponential_noise(batch: int, vocab: int, seeds: Sequence[int | None], steps: Sequence[int] | None,
                       generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
     "`Exp(1)` noise `[batch, vocab]`: row i from `seeded_noise` at `(seeds[i], steps[i])` if seeded, else from `generator`."
@@ -140,6 +157,10 @@ def check_sampling_inputs(logits: torch.Tensor, temperatures, top_ks, top_ps,
 # %% ../nbs/05a_sampler.ipynb #75c035ed
 class Sampler(nn.Module):
     "Next tokens from logits `[B, V]`: greedy where temperature is 0, else temperature, min-p, top-k, top-p, a seeded draw."
+    def __init__(self, draw: Callable | None = None):
+        super().__init__()
+        self.draw = draw  # a GPU's one-pass draw (notebook 06d's `sample_rows_triton`); None: the torch operations
+
     def forward(self, logits: torch.Tensor, temperatures, top_ks, top_ps, seeds: Sequence[int | None] | None = None,
                 steps: Sequence[int] | None = None, generator: torch.Generator | None = None, min_ps=None) -> torch.Tensor:
         "One token id (int64) per row; `seeds[i]` with `steps[i]` makes row i reproducible, else `generator` draws. Values are trusted (`SamplingParams` checks them)."
@@ -155,12 +176,19 @@ class Sampler(nn.Module):
         rows = to_device(torch.tensor([temperatures, top_ps, min_ps or [0.0] * batch, [min(k, vocab) for k in top_ks],
                                        is_greedy], dtype=torch.float64), logits.device)
         temps, top_p, min_p, top_k, greedy = rows[0].float(), rows[1].float(), rows[2].float(), rows[3].long(), rows[4] > 0
+        uses_min_p = min_ps is not None and any(p > 0 for p in min_ps)
+        uses_top = any(0 < k < vocab for k in top_ks) or any(p < 1 for p in top_ps)
+        if self.draw is not None and not uses_top:  # one kernel: temperature, min-p and the race, greedy rows too
+            return self.draw(logits, temps, min_p, *row_keys(seeds, steps, generator, logits.device), greedy)
         # subtle: greedy rows divide by 1, not 0; their sampled token is discarded below.
         scaled = logits / torch.where(greedy, 1.0, temps)[:, None]
-        if min_ps is not None and any(p > 0 for p in min_ps):
+        if uses_min_p:
             scaled = apply_min_p(scaled, min_p)  # after temperature, before top-k and top-p, as in vLLM
-        if any(0 < k < vocab for k in top_ks) or any(p < 1 for p in top_ps):
+        if uses_top:
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
+        if self.draw is not None:  # the race over the cut logits: temperature 1, min-p 0 (the max is never cut)
+            ones = torch.ones_like(temps)
+            return self.draw(scaled, ones, ones - 1, *row_keys(seeds, steps, generator, logits.device), greedy)
         probs = scaled.softmax(dim=-1)
         noise = exponential_noise(batch, vocab, seeds, steps, generator, logits.device)
         # subtle: the generator's Exp(1) noise can be exactly 0; the clamp keeps a removed token (p = 0) at 0 rather

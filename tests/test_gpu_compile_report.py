@@ -66,14 +66,16 @@ def test_the_report_covers_every_kernel_of_the_package():
     "A kernel added to the package without a launch in the report is named, not left out."
     assert tool().package_kernels() == {"_paged_attention_kernel", "_merge_splits_kernel", "_store_kvcache_kernel",
                                         "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel",
-                                        "_argmax_rows_kernel"}
+                                        "_argmax_rows_kernel", "_sample_rows_kernel"}
 
 
 def test_quick_takes_qwen3_shapes_and_refuses_an_unknown_arch():
     run = run_report("--quick", "--arch", "90")
     assert run.returncode == 0, run.stderr[-4000:]
     rows = [line for line in run.stdout.splitlines() if "| sm_90 |" in line]
-    assert len(rows) == 11 and all("| bfloat16 | 128 |" in line for line in rows if not line.startswith("| argmax |"))
+    assert len(rows) == 12 and all("| bfloat16 | 128 |" in line for line in rows
+                                   if not line.startswith(("| argmax |", "| sample rows |")))
     assert "| argmax | bfloat16 | - | - | sm_90 |" in run.stdout  # over the vocabulary: no head size
+    assert "| sample rows | bfloat16 | - | - | sm_90 |" in run.stdout
     bad = run_report("--arch", "75")
     assert bad.returncode == 2 and "unknown compute capability [75]" in bad.stderr

@@ -65,8 +65,8 @@ if TYPE_CHECKING:  # torch and minivllm are imported where they are used: the pr
 ROOT = Path(__file__).resolve().parents[1]
 COMPILE_REPORT = ROOT / "tools" / "gpu_compile_report.py"
 # the test files that exercise the GPU (and import only what the GPU image has, or minivllm's carried requirements)
-GPU_TEST_FILES = ("tests/test_triton_attention.py", "tests/test_triton_layers.py", "tests/test_cuda_graphs.py",
-                  "tests/test_kv_cache.py")
+GPU_TEST_FILES = ("tests/test_triton_attention.py", "tests/test_triton_layers.py", "tests/test_triton_sampler.py",
+                  "tests/test_cuda_graphs.py", "tests/test_kv_cache.py")
 # module -> the distribution that installs it: what the check and GPU_TEST_FILES import, directly or through minivllm
 NEEDED_MODULES = {"torch": "torch", "triton": "triton", "transformers": "transformers", "safetensors": "safetensors",
                   "huggingface_hub": "huggingface_hub", "numpy": "numpy", "xxhash": "xxhash", "tqdm": "tqdm",

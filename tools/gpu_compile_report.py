@@ -12,9 +12,10 @@ shared memory. The variants: attention decode, split decode and its merge, prefi
 the KV-cache store; float16, bfloat16 and float32; head sizes 64 and 128; 1, 2, 3 and 8 query heads a KV head. The
 layer kernels (notebook 06c) are launched by their own calls on a model's layouts (16 query heads and 8 KV heads,
 hidden size 16 heads' worth: 1,024 at head size 64, 2,048 at 128; q and k views of one qkv row): add + RMSNorm,
-SiLU-and-multiply, rotary, q/k norm + rotary at each dtype and head size, argmax over Qwen's 151,936 columns at each
-dtype. `--quick` takes Qwen3-0.6B's shapes alone (bfloat16, head size 128, 2 heads a KV head). Compiling a variant
-takes about a second; `--jobs` compiles in that many processes (default: the machine's cores).
+SiLU-and-multiply, rotary, q/k norm + rotary at each dtype and head size, argmax and the sampler's one-pass draw
+(notebook 06d) over Qwen's 151,936 columns at each dtype. `--quick` takes Qwen3-0.6B's shapes alone (bfloat16,
+head size 128, 2 heads a KV head). Compiling a variant takes about a second; `--jobs` compiles in that many
+processes (default: the machine's cores).
 """
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ ATTENTION_KERNELS = {"_paged_attention_kernel": "attention", "_merge_splits_kern
                      "_store_kvcache_kernel": "store"}
 LAYER_KERNELS = {"_add_rms_norm_kernel": "add rms norm", "_silu_and_mul_kernel": "silu and mul",
                  "_rotary_kernel": "rotary", "_argmax_rows_kernel": "argmax"}
+SAMPLER_KERNELS = {"_sample_rows_kernel": "sample rows"}
 LAYER_LABELS = ("add rms norm", "silu and mul", "rotary", "norm rotary")  # a variant each per dtype and head size
-HEAD_FREE_LABELS = ("argmax",)  # a variant per dtype
+HEAD_FREE_LABELS = ("argmax", "sample rows")  # a variant per dtype
 LAYER_HEADS, LAYER_KV_HEADS, VOCAB = 16, 8, 151936  # Qwen3-0.6B's heads; Qwen's vocabulary
 @dataclass
 class Variant:
@@ -95,7 +97,7 @@ def recorded_launches(dtype: str, head_size: int, group: int) -> list[tuple[str,
     import minivllm.gpu.triton_attention as ta
     from minivllm.kv_cache import allocate_kv_cache, decode_metadata, prefill_metadata
 
-    missing = package_kernels() - set(ATTENTION_KERNELS) - set(LAYER_KERNELS)
+    missing = package_kernels() - set(ATTENTION_KERNELS) - set(LAYER_KERNELS) - set(SAMPLER_KERNELS)
     if missing:
         raise RuntimeError(f"kernels with no variant in the report: {sorted(missing)}: launch them in recorded_launches "
                            "or recorded_layer_launches")
@@ -125,6 +127,7 @@ def recorded_layer_launches(dtype: str, head_size: int, with_argmax: bool) -> li
     import torch
 
     import minivllm.gpu.triton_layers as tl
+    import minivllm.gpu.triton_sampler as ts
 
     dev, dt, D, T = "meta", getattr(torch, dtype), head_size, 48
     hidden = LAYER_HEADS * D  # 1,024 at head size 64 (Qwen3-0.6B's width), 2,048 at 128
@@ -133,13 +136,17 @@ def recorded_layer_launches(dtype: str, head_size: int, with_argmax: bool) -> li
     q, k, _ = (t.view(T, -1, D) for t in qkv.split([LAYER_HEADS * D, LAYER_KV_HEADS * D, LAYER_KV_HEADS * D], dim=-1))
     positions = torch.empty(T, dtype=torch.int64, device=dev)
     cos_sin, head_weight = torch.empty(4096, D, device=dev), torch.empty(D, dtype=dt, device=dev)
-    with recording(tl, LAYER_KERNELS) as launches:
+    with recording(tl, LAYER_KERNELS) as launches, recording(ts, SAMPLER_KERNELS) as sampler_launches:
         tl.add_rms_norm_triton(x, x, weight, 1e-6)
         tl.silu_and_mul_triton(torch.empty(T, 2 * 3 * hidden, dtype=dt, device=dev))
         tl.rotary_embedding_triton(positions, q, k, cos_sin, D)
         tl.norm_rotary_triton(positions, q, k, head_weight, head_weight, 1e-6, cos_sin, D)
         if with_argmax:
             tl.argmax_rows_triton(torch.empty(T, VOCAB, dtype=dt, device=dev))
+            settings = [torch.empty(T, dtype=d, device=dev) for d in (torch.float32, torch.float32, torch.int64,
+                                                                      torch.int64, torch.bool)]
+            ts.sample_rows_triton(torch.empty(T, VOCAB, dtype=dt, device=dev), *settings)
+    launches += sampler_launches
     labels = LAYER_LABELS + (HEAD_FREE_LABELS if with_argmax else ())
     assert len(launches) == len(labels), [l[0] for l in launches]
     return [(label, *launch[1:]) for label, launch in zip(labels, launches)]
