@@ -5,18 +5,16 @@
 # %% ../nbs/06_kv_cache.ipynb #65293a7e
 from __future__ import annotations
 
-import itertools
 import os
-from array import array
 from dataclasses import dataclass
 
 import torch
 
 # %% auto #0
 __all__ = ['DECODE_GROUP_SIZE', 'allocate_kv_cache', 'kv_cache_bytes_per_block', 'available_memory_bytes', 'cpu_kv_cache_budget',
-           'cuda_kv_cache_budget', 'blocks_for_budget', 'slot_mapping', 'check_store_args', 'store_kvcache_torch',
-           'AttentionMetadata', 'padded_block_tables', 'step_metadata', 'prefill_metadata', 'decode_metadata',
-           'length_groups']
+           'cuda_kv_cache_budget', 'blocks_for_budget', 'slot_mapping', 'slot_mappings', 'check_store_args',
+           'store_kvcache_torch', 'AttentionMetadata', 'BlockTables', 'step_metadata', 'prefill_metadata',
+           'decode_metadata', 'length_groups']
 
 # %% ../nbs/06_kv_cache.ipynb #6a3455bc
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -64,8 +62,17 @@ def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) 
     if not 0 <= start <= end <= len(block_table) * block_size:
         raise ValueError(f"positions [{start}, {end}) do not fit in a block table of {len(block_table)} blocks "
                          f"of {block_size} slots")
+    return slot_mappings([block_table], [start], [end], block_size)
+
+def slot_mappings(block_tables: list[list[int]], starts: list[int], ends: list[int], block_size: int) -> list[int]:
+    "`slot_mapping` of many sequences at once, one after the other; a sequence without blocks (a warm-up pass) gets -1s: it stores nothing."
+    for table, start, end in zip(block_tables, starts, ends):
+        if table and not 0 <= start <= end <= len(table) * block_size:
+            raise ValueError(f"positions [{start}, {end}) do not fit in a block table of {len(table)} blocks "
+                             f"of {block_size} slots")
     # subtle: this one rule decides where a token's K/V live; every reader and writer of the cache must agree on it.
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    return [table[p // block_size] * block_size + p % block_size if table else -1
+            for table, start, end in zip(block_tables, starts, ends) for p in range(start, end)]
 
 # %% ../nbs/06_kv_cache.ipynb #cf15e58b
 def check_store_args(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -106,20 +113,62 @@ class AttentionMetadata:
     # decode on the CPU: the rows in groups of similar length, each with its own (shorter) block tables and lengths
     decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
-# %% ../nbs/06_kv_cache.ipynb #25009798
-def padded_block_tables(block_tables: list[list[int]], device="cpu", width: int | None = None) -> torch.Tensor:
-    "The block tables as one int32 tensor `[B, width]` (default: the longest table), short rows padded with `-1`."
-    lengths = [len(t) for t in block_tables]
-    longest = max(lengths, default=0)
-    width = longest if width is None else width
-    if longest > width:
-        raise ValueError(f"a block table of {longest} blocks does not fit in a width of {width}")
-    out = torch.full((len(block_tables), width), -1, dtype=torch.int32)
-    ids = array("i", itertools.chain.from_iterable(block_tables))
-    if ids:  # subtle: one flat copy of the ids, scattered row after row: a list of padded lists costs 5x more at batch 256
-        out.masked_scatter_(torch.arange(width) < torch.tensor(lengths)[:, None], torch.frombuffer(ids, dtype=torch.int32))
-    return out.to(device)
+# %% ../nbs/06_kv_cache.ipynb #edc8e00b
+class BlockTables:
+    "The block tables one rank keeps, a row per running sequence, changed only where a step says: int32 `[rows, max_blocks]` on the host (pinned for a GPU) and on `device`."
+    def __init__(self, num_rows: int, max_blocks: int, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        on_gpu = self.device.type == "cuda"
+        self.host = torch.full((num_rows, max_blocks), -1, dtype=torch.int32, pin_memory=on_gpu)
+        self.on_device = self.host.to(self.device) if on_gpu else self.host
+        self._host_rows = self.host.numpy()  # subtle: a view: numpy writes a slice from a list in ~1 us, torch in ~5
+        self.lengths = [0] * num_rows  # per row: the blocks its sequence holds
+        self._copied = None  # a GPU's event after the last copy to the device: the next write waits for it
 
+    @classmethod
+    def holding(cls, block_tables: list[list[int]], device: torch.device | str = "cpu",
+                max_blocks: int | None = None) -> BlockTables:
+        "Tables whose rows 0, 1, ... are `block_tables`: a step of its own (a test, a warm-up)."
+        width = max((len(t) for t in block_tables), default=0) if max_blocks is None else max_blocks
+        tables = cls(len(block_tables), width, device)
+        tables.update([(row, 0, table) for row, table in enumerate(block_tables)])
+        return tables
+
+    def update(self, updates: list[tuple[int, int, list[int]]]) -> None:
+        "Apply a step's updates: row `r`'s blocks from index `first` on become `blocks`, and it holds no more."
+        if not updates:
+            return
+        if self._copied is not None:
+            self._copied.synchronize()  # subtle: the copy of the last update may still be reading the pinned rows
+        num_rows, width = self.host.shape
+        for row, first, blocks in updates:
+            end = first + len(blocks)
+            if not (0 <= row < num_rows and 0 <= first <= self.lengths[row] and end <= width):
+                raise ValueError(f"the table update (row {row}, from block {first}, {len(blocks)} blocks) does not fit "
+                                 f"block tables of {num_rows} rows of {width} blocks: the step was built for a larger "
+                                 "engine (max_num_seqs, max_model_len), or a row lost an update")
+            self._host_rows[row, first:end] = blocks
+            if end < self.lengths[row]:  # a shorter table in a row another sequence held
+                self._host_rows[row, end:self.lengths[row]] = -1
+            self.lengths[row] = end
+        if self.on_device is not self.host:  # one copy: the span of rows that changed
+            low, high = min(u[0] for u in updates), max(u[0] for u in updates) + 1
+            self.on_device[low:high].copy_(self.host[low:high], non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def select(self, rows: list[int], width: int | None = None) -> torch.Tensor:
+        "The tables of `rows` on the device, `[len(rows), width]` (default: the longest of them), padded with `-1`."
+        width = max((self.lengths[r] for r in rows), default=0) if width is None else width
+        if width > self.host.shape[1]:
+            raise ValueError(f"a width of {width} blocks is more than the {self.host.shape[1]} these tables hold")
+        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return self.on_device[:, :width].index_select(0, index)
+
+    def __repr__(self) -> str:
+        return f"BlockTables({self.host.shape[0]} rows of up to {self.host.shape[1]} blocks on {self.device})"
+
+# %% ../nbs/06_kv_cache.ipynb #25009798
 def _cumsum0(lengths: list[int], device) -> torch.Tensor:
     "`[0, l0, l0+l1, ...]` as int32."
     out = [0]
@@ -127,9 +176,9 @@ def _cumsum0(lengths: list[int], device) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int32, device=device)
 
 def step_metadata(is_prefill: bool, slots: list[int], num_new_tokens: list[int], context_lens: list[int],
-                  block_tables: list[list[int]], device: torch.device | str = "cpu",
-                  group_size: int | None = None) -> AttentionMetadata:
-    "Metadata of a step as the scheduler describes it (notebook 08c): its tokens' slots; per sequence its new tokens, context length and block table."
+                  tables: BlockTables, rows: list[int], group_size: int | None = None) -> AttentionMetadata:
+    "Metadata of a step as the scheduler describes it (notebook 08c): its tokens' slots; per sequence its new tokens, context length and row of `tables`."
+    device = tables.device
     slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
     if is_prefill:
         return AttentionMetadata(
@@ -137,17 +186,16 @@ def step_metadata(is_prefill: bool, slots: list[int], num_new_tokens: list[int],
             cu_seqlens_q=_cumsum0(num_new_tokens, device), cu_seqlens_k=_cumsum0(context_lens, device),
             max_seqlen_q=max(num_new_tokens), max_seqlen_k=max(context_lens),
             # subtle: the cache is read only where a sequence has tokens cached before this step's
-            block_tables=padded_block_tables(block_tables, device) if context_lens != num_new_tokens else None)
+            block_tables=tables.select(rows) if context_lens != num_new_tokens else None)
     groups = None
     if group_size is not None and len(context_lens) > group_size:  # see "Decode in groups of similar length"
-        groups = [(torch.tensor(rows, dtype=torch.int64, device=device),
-                   padded_block_tables([block_tables[r] for r in rows], device),
-                   torch.tensor([context_lens[r] for r in rows], dtype=torch.int32, device=device))
-                  for rows in length_groups(context_lens, group_size)]
+        groups = [(torch.tensor(group, dtype=torch.int64, device=device), tables.select([rows[r] for r in group]),
+                   torch.tensor([context_lens[r] for r in group], dtype=torch.int32, device=device))
+                  for group in length_groups(context_lens, group_size)]
     return AttentionMetadata(
         is_prefill=False, slot_mapping=slot_mapping,
         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        block_tables=padded_block_tables(block_tables, device), decode_groups=groups)
+        block_tables=tables.select(rows), decode_groups=groups)
 
 def prefill_metadata(block_tables: list[list[int]], num_cached_tokens: list[int], num_new_tokens: list[int],
                      block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
@@ -163,7 +211,8 @@ def prefill_metadata(block_tables: list[list[int]], num_cached_tokens: list[int]
         # subtle: a sequence without blocks (a warm-up run) stores nothing: slot -1.
         slots += slot_mapping(table, cached, cached + new, block_size) if table else [-1] * new
     context_lens = [c + n for c, n in zip(num_cached_tokens, num_new_tokens)]
-    return step_metadata(True, slots, num_new_tokens, context_lens, block_tables, device)
+    return step_metadata(True, slots, num_new_tokens, context_lens, BlockTables.holding(block_tables, device),
+                         list(range(len(block_tables))))
 
 DECODE_GROUP_SIZE = 16  # decode attention runs on at most this many sequences at once (None: the whole batch)
 
@@ -178,7 +227,8 @@ def decode_metadata(block_tables: list[list[int]], context_lens: list[int], bloc
         raise ValueError(f"group_size must be a positive integer or None (the whole batch at once), got {group_size!r}")
     # the new token is the last one, at position context_len - 1
     slots = [slot_mapping(table, n - 1, n, block_size)[0] for table, n in zip(block_tables, context_lens)]
-    return step_metadata(False, slots, [1] * len(context_lens), context_lens, block_tables, device, group_size)
+    return step_metadata(False, slots, [1] * len(context_lens), context_lens, BlockTables.holding(block_tables, device),
+                         list(range(len(block_tables))), group_size)
 
 def length_groups(lengths: list[int], group_size: int) -> list[list[int]]:
     "The row numbers sorted by length, cut into groups of at most `group_size` rows."

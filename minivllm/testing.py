@@ -391,20 +391,24 @@ def next_token(context: list[int]) -> int:
     return (7 * sum((i + 1) * t for i, t in enumerate(context)) + 1) % FAKE_VOCAB
 
 class FakeRunner:
-    "Runs batches against a cache of token ids: stores new tokens by slot, predicts from the context read back."
+    "Runs batches against a cache of token ids: stores new tokens by slot, predicts from the context read back through the block tables a rank keeps."
     def __init__(self, num_blocks: int, block_size: int):
         self.block_size, self.cache = block_size, [None] * (num_blocks * block_size)
+        self.rows: dict[int, list[int]] = {}  # the block tables as a rank keeps them, from the steps' updates only
 
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         bs, step = self.block_size, batch.step  # the step message the scheduler wrote (notebook 08c)
+        for row, first, blocks in step.table_updates:  # as notebook 06's BlockTables, in plain lists
+            assert first <= len(self.rows.get(row, [])), f"row {row} misses blocks before {first}"
+            self.rows[row] = self.rows.get(row, [])[:first] + list(blocks)
         for slot, token in zip(step.slot_mapping, step.input_ids, strict=True):
             self.cache[slot] = token  # like store_kvcache: every new token first...
         sampled = []
-        for seq, context_len, samples in zip(batch.seqs, step.context_lens, batch.samples):
+        for row, context_len, samples in zip(step.rows, step.context_lens, batch.samples):
             if not samples:
                 sampled.append(None); continue
-            context = [self.cache[s] for s in slot_mapping(seq.block_table, 0, context_len, bs)]  # ...then attention
-            assert None not in context, f"sequence {seq.seq_id} read a slot that was never written"
+            context = [self.cache[s] for s in slot_mapping(self.rows[row], 0, context_len, bs)]  # ...then attention
+            assert None not in context, f"row {row} read a slot that was never written"
             sampled.append(next_token(context))
         return sampled
 

@@ -6,8 +6,9 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import Config
-from minivllm.engine.cuda_graphs import DecodeBuffers, graph_batch_sizes, pick_graph_batch_size, run_padded
-from minivllm.engine.step import StepInputs
+from minivllm.engine.cuda_graphs import DecodeBuffers, GraphDraws, graph_batch_sizes, pick_graph_batch_size, run_padded
+from minivllm.engine.step import SamplingInputs, StepInputs
+from minivllm.sampler import Sampler
 
 
 def decode_step(input_ids, context_lens, block_tables, block_size):
@@ -74,11 +75,40 @@ def test_padded_static_buffers_match_eager_decode(tiny_model, batch):
     assert (padded_cache != 0).equal(eager_cache != 0)
 
 
+def test_the_draw_in_the_padded_step_gives_the_samplers_tokens(tiny_model):
+    "The LM head and the one-pass draw on the padded buffers (what a graph with a draw records): greedy and seeded rows draw what the sampler draws from eager logits."
+    gpu = pytest.importorskip("minivllm.gpu")
+    if not gpu.TRITON_RUNS_ON_CPU:
+        pytest.skip("the draw runs on the CPU only in Triton's interpreter (triton >= 3.2)")
+    model, bs, c = tiny_model, 4, tiny_model.config
+    lens, tables = [5, 9, 3], [[0, 1], [2, 3, 4], [5]]
+    g = torch.Generator().manual_seed(4)
+    cache = allocate_kv_cache(c.num_hidden_layers, 8, bs, c.num_kv_heads_per_rank, c.head_dim, c.dtype, "cpu")
+    prompts = [torch.randint(0, c.vocab_size, (n - 1,), generator=g).tolist() for n in lens]
+    with torch.no_grad():
+        model(torch.tensor(sum(prompts, [])), torch.cat([torch.arange(n - 1) for n in lens]), cache,
+              prefill_metadata(tables, [0] * 3, [n - 1 for n in lens], bs))
+    step = decode_step([7, 8, 9], lens, tables, bs)
+    step.sampling = SamplingInputs([0.0, 0.8, 1.3], [0, 0, 0], [1.0, 1.0, 1.0], [None, 11, -5], [0, 4, 2 ** 33],
+                                   min_ps=[0.0, 0.0, 0.2])
+    draws = GraphDraws.of_step(step, c.vocab_size)
+    buf = DecodeBuffers(4, max_blocks=4)
+    buf.fill(step, 4, draws=draws)
+    with torch.no_grad():
+        eager_logits = model.compute_logits(model(torch.tensor([7, 8, 9]), torch.tensor(lens) - 1, cache.clone(),
+                                                  decode_metadata(tables, lens, bs)))
+        logits, tokens = run_padded(model, buf, cache, 4, gpu.sample_rows_triton)
+    torch.testing.assert_close(logits[:3], eager_logits, **F32)
+    s = step.sampling
+    want = Sampler()(logits[:3], s.temperatures, s.top_ks, s.top_ps, s.seeds, s.steps, min_ps=s.min_ps)
+    assert tokens[:3].tolist() == want.tolist()  # the greedy row's argmax, the seeded rows' race
+
+
 def test_buffers_reject_what_they_cannot_hold():
     buf = DecodeBuffers(4, max_blocks=2)
     with pytest.raises(ValueError, match="bucket"):
         buf.fill(decode_step([1] * 5, [2] * 5, [[0]] * 5, 4), 4)
-    with pytest.raises(ValueError, match="longer than the 2 blocks"):
+    with pytest.raises(ValueError, match="of 2 blocks"):
         buf.fill(decode_step([1], [9], [[0, 1, 2]], 4), 1)
 
 

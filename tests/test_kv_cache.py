@@ -442,16 +442,32 @@ def test_gpu_backends_match_dense(dtype, block_size, cached, backend):
     check_prefill_then_decode(case, cached, backend)
 
 
-def test_padded_block_tables_equal_rows_padded_by_hand():
-    "One flat copy scattered into rows: each table, then -1 up to the width; empty tables and a batch of none too."
+def test_block_tables_follow_their_updates_like_lists():
+    "Rows entered, grown and handed to other sequences at random: every selection equals the tables as lists, padded by hand."
     g = torch.Generator().manual_seed(0)
-    tables = [torch.randint(0, 1000, (int(n),), generator=g).tolist() for n in torch.randint(0, 40, (33,), generator=g)]
-    tables[3] = []
-    for width in (None, 64):
-        w = width or max(map(len, tables))
-        want = torch.tensor([t + [-1] * (w - len(t)) for t in tables], dtype=torch.int32)
-        assert torch.equal(kv.padded_block_tables(tables, width=width), want)
-    assert kv.padded_block_tables([[], []], width=3).tolist() == [[-1] * 3] * 2
-    assert kv.padded_block_tables([]).shape == (0, 0)
-    with pytest.raises(ValueError, match="a block table of 39 blocks does not fit in a width of 5"):
-        kv.padded_block_tables([[0] * 39], width=5)
+    rand = lambda n: int(torch.randint(0, n, (1,), generator=g))
+    num_rows, width = 12, 40
+    tables, lists = kv.BlockTables(num_rows, width), [[] for _ in range(num_rows)]
+    for _ in range(300):
+        updates, touched = [], set()
+        for _ in range(rand(5)):
+            row = rand(num_rows)
+            if row in touched:
+                continue
+            touched.add(row)
+            if rand(3) == 0 or not lists[row]:  # a new sequence takes the row: its table whole
+                lists[row] = [rand(1000) for _ in range(rand(width))]
+                updates.append((row, 0, list(lists[row])))
+            elif len(lists[row]) < width:  # its sequence gains a block
+                lists[row].append(rand(1000))
+                updates.append((row, len(lists[row]) - 1, lists[row][-1:]))
+        tables.update(updates)
+        rows = [rand(num_rows) for _ in range(rand(num_rows) + 1)]
+        for w in (None, width):
+            longest = w or max(len(lists[r]) for r in rows)
+            want = torch.tensor([lists[r] + [-1] * (longest - len(lists[r])) for r in rows], dtype=torch.int32)
+            assert torch.equal(tables.select(rows, width=w), want)
+    assert kv.BlockTables.holding([[], []], max_blocks=3).select([0, 1], width=3).tolist() == [[-1] * 3] * 2
+    assert kv.BlockTables.holding([]).select([]).shape == (0, 0)
+    with pytest.raises(ValueError, match="does not fit block tables of 1 rows of 5 blocks"):
+        kv.BlockTables(1, 5).update([(0, 0, [0] * 39)])

@@ -5,13 +5,16 @@
 # %% ../../nbs/12_cuda_graphs.ipynb #760ccadd
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 
 from .step import StepInputs
-from ..kv_cache import AttentionMetadata, padded_block_tables
+from ..kv_cache import AttentionMetadata, BlockTables
+from ..sampler import GREEDY_TEMPERATURE, int64_seed, random_seeds
 
 # %% auto #0
-__all__ = ['graph_batch_sizes', 'pick_graph_batch_size', 'DecodeBuffers', 'run_padded', 'DecodeGraphs']
+__all__ = ['graph_batch_sizes', 'pick_graph_batch_size', 'GraphDraws', 'DecodeBuffers', 'run_padded', 'DecodeGraphs']
 
 # %% ../../nbs/12_cuda_graphs.ipynb #76bc0ac9
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -26,31 +29,76 @@ def pick_graph_batch_size(batch_size: int, sizes: list[int]) -> int | None:
     "The smallest captured size that holds `batch_size` (None: larger than every graph, run eagerly)."
     return next((s for s in sizes if s >= batch_size), None)
 
+# %% ../../nbs/12_cuda_graphs.ipynb #72ca44fa
+class GraphDraws(NamedTuple):
+    "A decode step's per-row settings for the draw inside a graph: temperatures, min-ps, seeds (int64), steps, greedy flags."
+    temperatures: list[float]
+    min_ps: list[float]
+    seeds: list[int]
+    steps: list[int]
+    greedy: list[int]
+
+    @classmethod
+    def of_step(cls, step: StepInputs, vocab: int, generator: torch.Generator | None = None) -> GraphDraws | None:
+        "The settings of a step the one-pass draw takes whole (on rank 0, where `step.sampling` None means greedy); None if its rows need the logits."
+        s, n = step.sampling, len(step.input_ids)
+        if s is None:
+            return cls([0.0] * n, [0.0] * n, [0] * n, [0] * n, [1] * n)
+        if (s.output_token_ids is not None or s.masked_token_ids is not None or s.logit_biases is not None
+                or s.num_logprobs is not None or any(0 < k < vocab for k in s.top_ks) or any(p < 1 for p in s.top_ps)):
+            return None
+        drawn = random_seeds(n, "cpu", generator).tolist() if None in s.seeds else None  # on the host: no device read
+        seeds = [int64_seed(seed) if seed is not None else drawn[i] for i, seed in enumerate(s.seeds)]
+        return cls(list(s.temperatures), list(s.min_ps or [0.0] * n), seeds, list(s.steps),
+                   [int(t < GREEDY_TEMPERATURE) for t in s.temperatures])
+
 # %% ../../nbs/12_cuda_graphs.ipynb #d11a3d88
 class DecodeBuffers:
-    "The static inputs of the decode graphs, sized for `max_batch` sequences of up to `max_blocks` blocks."
+    "The static inputs of the decode graphs, sized for `max_batch` sequences of up to `max_blocks` blocks, with each row's draw settings."
+    # a padding row: token, position, slot (store nothing), context length (one key); seed, step, greedy (an argmax)
+    PADDING = (0, 0, -1, 1, 0, 0, 1)
+
     def __init__(self, max_batch: int, max_blocks: int, device: torch.device | str = "cpu"):
         self.max_batch, self.max_blocks = max_batch, max_blocks
-        z = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)
-        self.input_ids, self.positions = z(max_batch, dtype=torch.int64), z(max_batch, dtype=torch.int64)
-        self.slot_mapping, self.context_lens = z(max_batch, dtype=torch.int64), z(max_batch, dtype=torch.int32)
-        self.block_tables = z(max_batch, max_blocks, dtype=torch.int32)
+        on_gpu = torch.device(device).type == "cuda"
+        # subtle: the per-sequence numbers go in pinned host tensors (integers, floats) and cross in a copy each that
+        # does not wait
+        self.staging = torch.zeros(7, max_batch, dtype=torch.int64, pin_memory=on_gpu)
+        self.float_staging = torch.zeros(2, max_batch, dtype=torch.float32, pin_memory=on_gpu)
+        self._staged, self._float_staged = self.staging.numpy(), self.float_staging.numpy()  # views: numpy writes fast
+        self.inputs = torch.zeros(7, max_batch, dtype=torch.int64, device=device)
+        self.float_inputs = torch.zeros(2, max_batch, dtype=torch.float32, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self.inputs[0], self.inputs[1], self.inputs[2]
+        self.seeds, self.steps, self.greedy = self.inputs[4], self.inputs[5], self.inputs[6]  # a draw in the graph
+        self.temperatures, self.min_ps = self.float_inputs[0], self.float_inputs[1]
+        self.context_lens = torch.ones(max_batch, dtype=torch.int32, device=device)  # int32, as the kernels read it
+        self.block_tables = torch.full((max_batch, max_blocks), -1, dtype=torch.int32, device=device)
+        self._copied = None  # a GPU's event after the last copy: the next fill waits before writing the staging
 
-    def fill(self, step: StepInputs, bucket: int) -> None:
-        "Copy a decode step (notebook 08c) of `len(step.input_ids)` sequences into the first rows; pad the rest of `bucket` rows."
+    def fill(self, step: StepInputs, bucket: int, tables: BlockTables | None = None, draws: GraphDraws | None = None) -> None:
+        "Copy a decode step (notebook 08c) of `len(step.input_ids)` sequences into the first rows, its block tables from the rank's `tables` (or its own) and its `draws`; pad the rest of `bucket` rows."
         n = len(step.input_ids)
         if not n <= bucket <= self.max_batch:
             raise ValueError(f"a batch of {n} needs a bucket of at least {n} and at most {self.max_batch}, got {bucket}")
-        if any(len(t) > self.max_blocks for t in step.block_tables):
-            raise ValueError(f"a block table is longer than the {self.max_blocks} blocks the buffers hold")
-        pad = bucket - n
-        tables = padded_block_tables(step.block_tables + [[]] * pad, width=self.max_blocks)  # notebook 06: one flat copy
-        # one host-to-device copy per buffer; positions and slots as the scheduler wrote them (notebook 08c)
-        self.input_ids[:bucket].copy_(torch.tensor(step.input_ids + [0] * pad), non_blocking=True)
-        self.positions[:bucket].copy_(torch.tensor(step.positions + [0] * pad), non_blocking=True)
-        self.slot_mapping[:bucket].copy_(torch.tensor(step.slot_mapping + [-1] * pad), non_blocking=True)
-        self.context_lens[:bucket].copy_(torch.tensor(step.context_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:bucket].copy_(tables, non_blocking=True)
+        device = self.inputs.device
+        tables = step.own_tables(device, self.max_blocks) if tables is None else tables
+        if self._copied is not None:
+            self._copied.synchronize()
+        columns = (step.input_ids, step.positions, step.slot_mapping, step.context_lens)
+        for row, values, pad in zip(self._staged, columns + (draws[2:] if draws else ()), self.PADDING):
+            row[:n], row[n:bucket] = values, pad
+        self.inputs.copy_(self.staging, non_blocking=True)  # positions and slots as the scheduler wrote them
+        if draws:
+            for row, values in zip(self._float_staged, draws[:2]):
+                row[:n], row[n:bucket] = values, 0.0
+            self.float_inputs.copy_(self.float_staging, non_blocking=True)
+        if device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self.context_lens[:bucket].copy_(self.inputs[3, :bucket])  # on the device
+        # subtle: whole rows, -1 past each table, so a longer table of an earlier step never leaks into a row
+        self.block_tables[:n] = tables.select(step.rows, width=self.max_blocks)
+        self.block_tables[n:bucket] = -1
 
     def metadata(self, bucket: int) -> AttentionMetadata:
         "Decode metadata over the first `bucket` rows (views: a graph captured with them reads what `fill` wrote)."
@@ -58,17 +106,23 @@ class DecodeBuffers:
                                  context_lens=self.context_lens[:bucket], block_tables=self.block_tables[:bucket])
 
 # %% ../../nbs/12_cuda_graphs.ipynb #c53aa2c8
-def run_padded(model, buffers: DecodeBuffers, kv_cache: torch.Tensor, bucket: int) -> torch.Tensor:
-    "The model's hidden states `[bucket, hidden]` on the first `bucket` rows of the static buffers (what a graph records)."
-    return model(buffers.input_ids[:bucket], buffers.positions[:bucket], kv_cache, buffers.metadata(bucket))
+def run_padded(model, buffers: DecodeBuffers, kv_cache: torch.Tensor, bucket: int, draw: Callable | None = None):
+    "The model's hidden states `[bucket, hidden]` on the first `bucket` rows of the static buffers (what a graph records); with `draw`, its logits and each row's token instead."
+    hidden = model(buffers.input_ids[:bucket], buffers.positions[:bucket], kv_cache, buffers.metadata(bucket))
+    if draw is None:
+        return hidden
+    b, logits = buffers, model.compute_logits(hidden)
+    return logits, draw(logits, b.temperatures[:bucket], b.min_ps[:bucket], b.seeds[:bucket], b.steps[:bucket],
+                        b.greedy[:bucket])
 
 # %% ../../nbs/12_cuda_graphs.ipynb #6823c275
 class DecodeGraphs:
-    "Captured decode forward passes of `model` over `kv_cache`, one per batch-size bucket (CUDA only)."
-    def __init__(self, model, kv_cache: torch.Tensor, max_num_seqs: int, max_blocks: int, block_size: int):
+    "Captured decode forward passes of `model` over `kv_cache`, one per batch-size bucket (CUDA only); with `draw` (one rank), the LM head and the draw too."
+    def __init__(self, model, kv_cache: torch.Tensor, max_num_seqs: int, max_blocks: int, block_size: int,
+                 draw: Callable | None = None):
         if not kv_cache.is_cuda:
             raise ValueError("CUDA graphs need the model and KV cache on a CUDA device")
-        self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.model, self.kv_cache, self.block_size, self.draw = model, kv_cache, block_size, draw
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.buffers = DecodeBuffers(self.sizes[-1], max_blocks, kv_cache.device)
         self.graphs, self.outputs, self.pool = {}, {}, None
@@ -77,13 +131,13 @@ class DecodeGraphs:
     def capture(self) -> None:
         "Capture every bucket's graph, largest first so the smaller ones reuse its memory pool."
         b = self.buffers
-        b.context_lens.fill_(1); b.block_tables.fill_(-1); b.slot_mapping.fill_(-1)  # a harmless dummy step
+        b.context_lens.fill_(1); b.block_tables.fill_(-1); b.slot_mapping.fill_(-1); b.greedy.fill_(1)  # a harmless dummy step
         for size in reversed(self.sizes):
-            run_padded(self.model, b, self.kv_cache, size)  # warm-up outside the capture
+            run_padded(self.model, b, self.kv_cache, size, self.draw)  # warm-up outside the capture (and compiles)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, self.pool):
-                self.outputs[size] = run_padded(self.model, b, self.kv_cache, size)
+                self.outputs[size] = run_padded(self.model, b, self.kv_cache, size, self.draw)
             self.pool = self.pool or graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
@@ -92,9 +146,15 @@ class DecodeGraphs:
         "Whether a decode batch of this size has a graph."
         return pick_graph_batch_size(batch_size, self.sizes) is not None
 
-    def run(self, step: StepInputs) -> torch.Tensor:
-        "Hidden states `[B, hidden]` of a decode step, by replaying the smallest bucket that holds it."
-        size = pick_graph_batch_size(len(step.input_ids), self.sizes)
-        self.buffers.fill(step, size)
+    def draws_of(self, step: StepInputs, generator: torch.Generator | None = None) -> GraphDraws | None:
+        "The step's settings for the draw in the graph, or None where its rows need the logits (`GraphDraws.of_step`)."
+        return GraphDraws.of_step(step, self.model.config.vocab_size, generator)
+
+    def run(self, step: StepInputs, tables: BlockTables | None = None, draws: GraphDraws | None = None):
+        "A decode step (its block tables in the rank's `tables`, or its own) by replaying the smallest bucket that holds it: hidden states `[B, hidden]`, or with a draw `(logits, tokens)` (tokens worth reading where `draws` is given)."
+        n = len(step.input_ids)
+        size = pick_graph_batch_size(n, self.sizes)
+        self.buffers.fill(step, size, tables, draws)
         self.graphs[size].replay()
-        return self.outputs[size][:len(step.input_ids)]
+        out = self.outputs[size]
+        return out[:n] if self.draw is None else (out[0][:n], out[1][:n])

@@ -27,7 +27,7 @@ from ..shm_allreduce import make_communicator
 from .args import EngineArgs
 from .step import StepInputs, StepOutput
 from ..attention import cpu_decode_kernel
-from ..kv_cache import (allocate_kv_cache, blocks_for_budget, cpu_kv_cache_budget, cuda_kv_cache_budget,
+from ..kv_cache import (BlockTables, allocate_kv_cache, blocks_for_budget, cpu_kv_cache_budget, cuda_kv_cache_budget,
                                kv_cache_bytes_per_block)
 from ..sampler import Sampler, token_logprobs, tokens_and_logprobs
 from ..models import build_model, load_checkpoint
@@ -55,7 +55,7 @@ def split_step(step: StepInputs, parts: int) -> list[StepInputs]:
         rows = slice(starts[a], starts[b])
         return replace(step, input_ids=step.input_ids[rows], positions=step.positions[rows],
                        slot_mapping=step.slot_mapping[rows], num_new_tokens=step.num_new_tokens[a:b],
-                       context_lens=step.context_lens[a:b], block_tables=step.block_tables[a:b], sampling=None)
+                       context_lens=step.context_lens[a:b], rows=step.rows[a:b], table_updates=[], sampling=None)
     return [part(a, b) for a, b in zip(cuts, cuts[1:])]
 
 # %% ../../nbs/11_model_runner.ipynb #13ae0926
@@ -154,8 +154,11 @@ def _build(self: ModelRunner) -> None:
         if not first: self.model.pack_for_cpu()
         # the kernels every weight shape got (the same on every rank of a machine): a debug line, and `model.cpu_gemms()`
         logging.getLogger("minivllm").debug(f"rank {rank}: CPU GEMMs {self.model.cpu_gemms()}")
-    self.sampler = Sampler() if rank == 0 else None
+    self.sampler = Sampler(self._one_pass_draw()) if rank == 0 else None
     self.generator = torch.Generator(self.device).manual_seed(args.seed)
+    self.host_generator = torch.Generator().manual_seed(args.seed)  # seeds of unseeded rows drawn inside a graph
+    # the block tables of the running sequences, a row each, which every step updates where they changed (notebook 06)
+    self.tables = BlockTables(args.max_num_seqs, math.ceil(self.max_model_len / self.block_size), self.device)
     self.warmup()
     self.num_blocks = self._agree_on_blocks(self._blocks_from_budget())
     c = self.config
@@ -165,9 +168,19 @@ def _build(self: ModelRunner) -> None:
     self.warm_kernels()
     if self.device.type == "cuda" and not args.enforce_eager:
         from minivllm.engine.cuda_graphs import DecodeGraphs
+        # subtle: one rank only: the LM head and the draw join the graph where no other rank's collective waits
+        draw = self.sampler.draw if self.world_size == 1 else None
         self.graphs = DecodeGraphs(self.model, self.kv_cache, args.max_num_seqs,
-                                   math.ceil(self.max_model_len / self.block_size), self.block_size)
+                                   math.ceil(self.max_model_len / self.block_size), self.block_size, draw)
         self.graphs.capture()
+
+@patch
+def _one_pass_draw(self: ModelRunner):
+    "The GPU's one-pass draw where Triton runs (notebook 06d), chosen once; None: the sampler's torch operations."
+    if self.device.type != "cuda":
+        return None
+    from minivllm import gpu  # subtle: here, not with the module: loaded on a GPU only
+    return gpu.sample_rows_triton if gpu.HAS_TRITON else None
 
 @patch(as_prop=True)
 def bytes_per_block(self: ModelRunner) -> int:
@@ -236,9 +249,10 @@ def _agree_on_blocks(self: ModelRunner, num_blocks: int) -> int:
 @patch
 def _last_hidden(self: ModelRunner, step: StepInputs, kv_cache: torch.Tensor | None) -> torch.Tensor:
     "Final hidden states `[B, hidden]` at each sequence's last new token (then at the step's prompt_logprob_rows)."
+    self.tables.update(step.table_updates)  # subtle: once a step, before it is split into streams
     if (kv_cache is not None and self.graphs is not None and not step.is_prefill
             and self.graphs.can_run(len(step.input_ids))):  # replay a captured decode graph
-        return self.graphs.run(step)  # the real rows only
+        return self.graphs.run(step, self.tables)  # the real rows only
     streams = self._num_streams(step) if kv_cache is not None else 1
     if streams > 1:
         return self._streamed_hidden(split_step(step, streams), kv_cache)
@@ -250,7 +264,7 @@ def _hidden_at_last_tokens(self: ModelRunner, step: StepInputs, kv_cache: torch.
     dev = self.device
     input_ids = torch.tensor(step.input_ids, dtype=torch.int64, device=dev)
     positions = torch.tensor(step.positions, dtype=torch.int64, device=dev)
-    hidden = self.model(input_ids, positions, kv_cache, step.metadata(dev))
+    hidden = self.model(input_ids, positions, kv_cache, step.metadata(dev, self.tables))
     # subtle: logits only at each sequence's last token; the LM head is the costliest layer for small models.
     rows = step.last_token_rows + (step.prompt_logprob_rows or [])
     return hidden[torch.tensor(rows, dtype=torch.int64, device=dev)]
@@ -294,21 +308,35 @@ def run(self: ModelRunner, step: StepInputs) -> StepOutput | None:
     sampling = step.sampling  # rank 0's (notebook 08c): None in a plain greedy step, and on the other ranks
     if step.num_threads is not None and step.num_threads != torch.get_num_threads():
         torch.set_num_threads(step.num_threads)
-    hidden, prompt_logprobs = self._last_hidden(step, self.kv_cache), None
-    if step.prompt_logprob_rows:  # subtle: on every rank, before the sampled tokens' LM head (it is collective)
-        num_seqs = len(step.num_new_tokens)
-        hidden, prompt_logprobs = hidden[:num_seqs], self._prompt_logprobs(hidden[num_seqs:], sampling)
-    if step.greedy:
-        tokens = self.model.greedy_tokens(hidden)
-        return StepOutput(tokens.tolist(), None, prompt_logprobs) if self.rank == 0 else None
-    logits = self.model.compute_logits(hidden)  # subtle: outside any CUDA graph
-    if self.rank != 0:
-        return None
+    prompt_logprobs = None
+    if self._draws_in_graph(step):  # one rank, a decode a graph holds with its LM head and draw
+        self.tables.update(step.table_updates)
+        draws = self.graphs.draws_of(step, self.host_generator)
+        logits, tokens = self.graphs.run(step, self.tables, draws)
+        if draws is not None:
+            return StepOutput(tokens.tolist())  # subtle: the step's one read of the device
+    else:
+        hidden = self._last_hidden(step, self.kv_cache)
+        if step.prompt_logprob_rows:  # subtle: on every rank, before the sampled tokens' LM head (it is collective)
+            num_seqs = len(step.num_new_tokens)
+            hidden, prompt_logprobs = hidden[:num_seqs], self._prompt_logprobs(hidden[num_seqs:], sampling)
+        if step.greedy:
+            tokens = self.model.greedy_tokens(hidden)
+            return StepOutput(tokens.tolist(), None, prompt_logprobs) if self.rank == 0 else None
+        logits = self.model.compute_logits(hidden)
+        if self.rank != 0:
+            return None
     s, raw = sampling, logits
     tokens = self.sampler(s.apply(logits), s.temperatures, s.top_ks, s.top_ps, s.seeds, s.steps, self.generator, s.min_ps)
     if s.num_logprobs is None:
         return StepOutput(tokens.tolist(), None, prompt_logprobs)  # subtle: the step's one read of the device
     return StepOutput(*tokens_and_logprobs(raw, tokens, s.num_logprobs), prompt_logprobs)
+
+@patch
+def _draws_in_graph(self: ModelRunner, step: StepInputs) -> bool:
+    "Whether a captured graph computes this step whole: a decode of a size it holds, with the LM head and draw in it."
+    return (self.graphs is not None and self.graphs.draw is not None and not step.is_prefill
+            and self.graphs.can_run(len(step.input_ids)))
 
 PROMPT_LOGPROB_ROWS = 512  # prompt rows per LM-head call: bounds its [rows, vocab] float32 logits (300 MB at 150k)
 

@@ -40,9 +40,10 @@ class ScheduledBatch:
     def __post_init__(self):
         if not len(self.seqs) == len(self.num_computed_tokens) == len(self.num_new_tokens):
             raise ValueError("a batch needs one computed-token count and one new-token count per sequence")
-        self.samples = [c + n == s.num_tokens for s, c, n in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)]
+        self.samples = [c + n == len(s.token_ids) for s, c, n in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)]
         self.prompt_logprob_rows, start = [], 0
-        for i, (s, c, n) in enumerate(zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)):
+        asked = any(s.prompt_logprobs is not None for s in self.seqs)
+        for i, (s, c, n) in enumerate(zip(self.seqs, self.num_computed_tokens, self.num_new_tokens) if asked else ()):
             if s.wants_prompt_logprobs:  # the logits at position p give the log-probability of the token at p + 1
                 self.prompt_logprob_rows += [(start + p - c, i, p + 1) for p in range(c, min(c + n, s.num_prompt_tokens - 1))]
             start += n
@@ -62,6 +63,18 @@ class ScheduledBatch:
         return [sorted(self.eos_token_ids | set(s.sampling_params.stop_token_ids)) if is_short else []
                 for s, is_short in zip(self.seqs, short)]
 
+    def table_updates(self) -> tuple[list[int] | None, list[tuple[int, int, list[int]]] | None]:
+        "Each sequence's row of the ranks' block tables, and what changed in them since they last heard; `(None, None)` for sequences the scheduler has not placed (a batch built by hand)."
+        if any(s.table_row is None for s in self.seqs):
+            return None, None
+        updates = []
+        for s in self.seqs:
+            if len(s.block_table) != s.blocks_on_ranks:  # a table only grows while its sequence holds its row
+                updates.append((s.table_row, s.blocks_on_ranks, s.block_table[s.blocks_on_ranks:]))
+                # subtle: every rank applies every step's updates, in order: from now on they hold these blocks
+                s.blocks_on_ranks = len(s.block_table)
+        return [s.table_row for s in self.seqs], updates
+
     def step_inputs(self, block_size: int) -> StepInputs:
         "The step message of this batch (notebook 08c): read the sequences once, before `Scheduler.postprocess` changes them."
         # subtle: a request short of its min_tokens is greedy over logits whose EOS and stop tokens are masked out,
@@ -71,8 +84,9 @@ class ScheduledBatch:
         sampling = None if greedy and not self.prompt_logprob_rows else SamplingInputs.from_seqs(
             self.seqs, self.masked_token_ids(), self.prompt_logprob_rows)
         new_token_ids = [s.token_ids[c:c + n] for s, c, n in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)]
+        rows, updates = self.table_updates()
         return StepInputs.build(self.is_prefill, new_token_ids, list(self.num_computed_tokens),
-                                [list(s.block_table) for s in self.seqs], block_size, greedy=greedy,
+                                [s.block_table for s in self.seqs], block_size, rows, updates, greedy=greedy,
                                 prompt_logprob_rows=[row for row, _, _ in self.prompt_logprob_rows] or None,
                                 sampling=sampling)
 
@@ -116,6 +130,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()  # in the order they were admitted
         self.seq_ids = itertools.count()  # this scheduler numbers its sequences
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))  # rows of the ranks' block tables no sequence holds
         self.num_preemptions = 0
 
     def is_finished(self) -> bool:
@@ -146,10 +161,20 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self.block_manager.free(seq.block_table)
+            self._release(seq)
         else:
             self.waiting.remove(seq)
-        seq.block_table, seq.status, seq.finish_reason = [], SequenceStatus.FINISHED, finish_reason
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, finish_reason
+
+    def _place(self, seq: Sequence) -> None:
+        "Give a sequence that has just got its blocks a row of the ranks' block tables: its next step sends its table."
+        seq.table_row, seq.blocks_on_ranks = self.free_rows.pop(), 0
+
+    def _release(self, seq: Sequence) -> None:
+        "Free a sequence's blocks and its row."
+        self.block_manager.free(seq.block_table)
+        self.free_rows.append(seq.table_row)
+        seq.block_table, seq.table_row = [], None
 
     # ---- recording a step
 
@@ -196,6 +221,7 @@ def _schedule_prefill(self: Scheduler) -> ScheduledBatch | None:
         seq.block_table, seq.num_cached_tokens = self.block_manager.allocate(seq.token_ids, use_prefix_cache=reuse)
         seq.num_computed_tokens = seq.num_cached_tokens
         seq.status = SequenceStatus.RUNNING
+        self._place(seq)  # subtle: a row is free: at most max_num_seqs sequences run
         self.running.append(self.waiting.popleft())
         take(seq)
     return ScheduledBatch(seqs, is_prefill=True, num_computed_tokens=computed, num_new_tokens=new,
@@ -204,19 +230,14 @@ def _schedule_prefill(self: Scheduler) -> ScheduledBatch | None:
 @patch
 def _schedule_decode(self: Scheduler) -> ScheduledBatch:
     "One token for every running sequence, preempting the newest ones while the cache has no room."
-    scheduled, preempted = [], []
+    scheduled, preempted, block_size = [], [], self.block_manager.block_size
     while self.running:
         seq = self.running.popleft()
-        # the step computes the K/V of the newest token, at position num_tokens - 1: room for num_tokens
-        while not self.block_manager.can_grow(seq.block_table, seq.num_tokens):
-            victim = self.running.pop() if self.running else seq
-            self._preempt(victim)
-            preempted.append(victim)
-            if victim is seq:
-                break
-        else:
-            self.block_manager.grow(seq.block_table, seq.num_tokens)
-            scheduled.append(seq)
+        # the step computes the K/V of the newest token, at position num_tokens - 1: room for num_tokens, which
+        # the table has but once in block_size steps
+        if len(seq.token_ids) > len(seq.block_table) * block_size and not self._grow(seq, preempted):
+            continue  # preempted itself
+        scheduled.append(seq)
     self.running.extend(scheduled)
     if not scheduled:  # cannot happen: alone in the cache, any accepted sequence fits (see `add`)
         raise RuntimeError("no running sequence fits in the KV cache: the admission checks in add() were bypassed")
@@ -224,10 +245,22 @@ def _schedule_decode(self: Scheduler) -> ScheduledBatch:
                           num_new_tokens=[1] * len(scheduled), preempted=preempted, eos_token_ids=self.eos_token_ids)
 
 @patch
+def _grow(self: Scheduler, seq: Sequence, preempted: list[Sequence]) -> bool:
+    "Give `seq` room for its newest token, preempting the newest running sequences while no block is free; False if `seq` itself had to go."
+    while not self.block_manager.can_grow(seq.block_table, seq.num_tokens):
+        victim = self.running.pop() if self.running else seq
+        self._preempt(victim)
+        preempted.append(victim)
+        if victim is seq:
+            return False
+    self.block_manager.grow(seq.block_table, seq.num_tokens)
+    return True
+
+@patch
 def _preempt(self: Scheduler, seq: Sequence) -> None:
     "Free `seq`'s blocks and put it first in the waiting queue, to be recomputed from all its tokens so far."
-    self.block_manager.free(seq.block_table)
-    seq.block_table, seq.num_computed_tokens, seq.num_cached_tokens = [], 0, 0
+    self._release(seq)
+    seq.num_computed_tokens, seq.num_cached_tokens = 0, 0
     seq.status = SequenceStatus.WAITING
     seq.num_preemptions += 1
     self.num_preemptions += 1
@@ -261,10 +294,12 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
         record = batch.seqs[i].prompt_logprobs
         if position == len(record):  # subtle: a prompt computed again after a preemption keeps its first record
             record.append(lp)
+    block_size = self.block_manager.block_size
     for i, (seq, computed, new, samples, token) in enumerate(zip(
             batch.seqs, batch.num_computed_tokens, batch.num_new_tokens, batch.samples, sampled_token_ids)):
         seq.num_computed_tokens = computed + new
-        self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        if seq.num_computed_tokens // block_size > computed // block_size:  # the step filled a block: publish it
+            self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
         if not samples:
             continue  # a chunk of a prompt: its logits are not the next token's
         seq.token_ids.append(int(token))
@@ -273,8 +308,7 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
         seq.finish_reason = self._finish_reason(seq)
         if seq.finish_reason is not None:
             seq.status = SequenceStatus.FINISHED
-            self.block_manager.free(seq.block_table)
-            seq.block_table = []
+            self._release(seq)
             self.running.remove(seq)
             finished.append(seq)
     return finished
@@ -282,12 +316,12 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
 @patch
 def _finish_reason(self: Scheduler, seq: Sequence) -> str | None:
     "'stop' after a stop token with at least min_tokens tokens before it, 'length' at max_tokens or max_model_len, else None."
-    params, token = seq.sampling_params, seq.last_token
+    params, token, generated = seq.sampling_params, seq.last_token, seq.num_completion_tokens
     # subtle: the sampler never picks EOS or a stop token while fewer than min_tokens tokens precede it
     # (`masked_token_ids`); the same rule here holds for any other source of tokens, whatever ignore_eos says
-    if seq.num_completion_tokens > params.min_tokens and (
+    if generated > params.min_tokens and (
             token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)):
         return "stop"
-    if seq.num_completion_tokens >= (params.max_tokens or self.max_model_len) or seq.num_tokens >= self.max_model_len:
+    if generated >= (params.max_tokens or self.max_model_len) or seq.num_tokens >= self.max_model_len:
         return "length"
     return None

@@ -30,6 +30,8 @@ class Sequence:
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.table_row: int | None = None  # while it holds blocks: its row of the block tables the ranks keep
+        self.blocks_on_ranks = 0  # how many of its block ids the ranks hold in that row (notebook 08c's updates)
         self.num_computed_tokens = 0  # tokens whose keys and values are in the cache
         self.num_cached_tokens = 0  # of those, found in the prefix cache at the last allocation
         self.finish_reason: str | None = None  # "stop" (EOS or a stop token), "length" (max_tokens, max_model_len), "abort"

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..kv_cache import DECODE_GROUP_SIZE, AttentionMetadata, slot_mapping, step_metadata
+from ..kv_cache import DECODE_GROUP_SIZE, AttentionMetadata, BlockTables, slot_mappings, step_metadata
 from ..sampler import add_logit_bias, apply_penalties, mask_tokens
 
 if TYPE_CHECKING:
@@ -47,6 +47,12 @@ class SamplingInputs:
         params = [s.sampling_params for s in seqs]
         inputs = cls([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
                      [p.seed for p in params], [s.num_completion_tokens for s in seqs])
+        inputs.masked_token_ids = masked_token_ids
+        if prompt_logprob_rows:
+            inputs.prompt_logprob_tokens = [seqs[i].token_ids[p] for _, i, p in prompt_logprob_rows]
+            inputs.num_prompt_logprobs = [seqs[i].sampling_params.prompt_logprobs for _, i, _ in prompt_logprob_rows]
+        if not any(p.needs_logits or p.min_p > 0 for p in params):  # one look at each, where most steps end
+            return inputs
         if any(p.presence_penalty or p.frequency_penalty for p in params):
             inputs.presence_penalties = [p.presence_penalty for p in params]
             inputs.frequency_penalties = [p.frequency_penalty for p in params]
@@ -57,14 +63,10 @@ class SamplingInputs:
             inputs.output_token_ids = [s.completion_token_ids for s in seqs]
         if any(p.min_p > 0 for p in params):
             inputs.min_ps = [p.min_p for p in params]
-        inputs.masked_token_ids = masked_token_ids
         if any(p.logit_bias for p in params):
             inputs.logit_biases = [p.logit_bias for p in params]
         if any(p.logprobs is not None for p in params):
             inputs.num_logprobs = [p.logprobs for p in params]
-        if prompt_logprob_rows:
-            inputs.prompt_logprob_tokens = [seqs[i].token_ids[p] for _, i, p in prompt_logprob_rows]
-            inputs.num_prompt_logprobs = [seqs[i].sampling_params.prompt_logprobs for _, i, _ in prompt_logprob_rows]
         return inputs
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -88,7 +90,8 @@ class StepInputs:
     slot_mapping: list[int]  # per new token: its KV-cache slot (-1: store nothing, a warm-up pass)
     num_new_tokens: list[int]  # per sequence: tokens computed now (1 in decode)
     context_lens: list[int]  # per sequence: tokens in the cache once this step has stored its new ones
-    block_tables: list[list[int]]  # per sequence: its KV-cache blocks
+    rows: list[int]  # per sequence: its row of the block tables every rank keeps (notebook 06's `BlockTables`)
+    table_updates: list[tuple[int, int, list[int]]]  # (row, first index, block ids): what changed in those rows
     greedy: bool = False  # every sequence is plain greedy: rank 0 needs each row's argmax, not its logits
     num_threads: int | None = None  # CPU: the intra-op threads every rank uses for this step (rank 0's choice)
     prompt_logprob_rows: list[int] | None = None  # rows whose logits give a prompt token's log-probability (prompt_logprobs)
@@ -96,17 +99,17 @@ class StepInputs:
 
     @classmethod
     def build(cls, is_prefill: bool, new_token_ids: list[list[int]], num_computed_tokens: list[int],
-              block_tables: list[list[int]], block_size: int, **fields) -> StepInputs:
-        "The step of sequences with these new tokens, tokens already cached and block tables: each token's position and slot, by one rule each."
-        positions, slots = [], []
-        for ids, computed, table in zip(new_token_ids, num_computed_tokens, block_tables):
-            end = computed + len(ids)
-            positions += range(computed, end)
-            # subtle: a sequence without blocks (a warm-up pass) stores nothing: slot -1 (notebook 06)
-            slots += slot_mapping(table, computed, end, block_size) if table else [-1] * len(ids)
+              block_tables: list[list[int]], block_size: int, rows: list[int] | None = None,
+              table_updates: list[tuple[int, int, list[int]]] | None = None, **fields) -> StepInputs:
+        "The step of sequences with these new tokens, tokens already cached and block tables: each token's position and slot, by one rule each. Without `rows`, a step of its own: rows 0, 1, ..., each table sent whole."
+        if rows is None:
+            rows, table_updates = list(range(len(block_tables))), [(r, 0, list(t)) for r, t in enumerate(block_tables)]
+        ends = [computed + len(ids) for computed, ids in zip(num_computed_tokens, new_token_ids)]
+        positions = [p for start, end in zip(num_computed_tokens, ends) for p in range(start, end)]
+        # subtle: a sequence without blocks (a warm-up pass) stores nothing: slot -1 (notebook 06)
+        slots = slot_mappings(block_tables, num_computed_tokens, ends, block_size)
         return cls(is_prefill, [t for ids in new_token_ids for t in ids], positions, slots,
-                   [len(ids) for ids in new_token_ids], [c + len(ids) for c, ids in zip(num_computed_tokens, new_token_ids)],
-                   block_tables, **fields)
+                   [len(ids) for ids in new_token_ids], ends, rows, table_updates or [], **fields)
 
     @property
     def last_token_rows(self) -> list[int]:
@@ -117,12 +120,20 @@ class StepInputs:
             rows.append(end - 1)
         return rows
 
-    def metadata(self, device: torch.device | str = "cpu") -> AttentionMetadata:
-        "The attention metadata of this step, on `device` (notebook 06)."
+    def own_tables(self, device: torch.device | str = "cpu", max_blocks: int | None = None) -> BlockTables:
+        "Block tables holding this step's updates only: for a step of its own (a test, a warm-up), whose updates are whole tables."
+        longest = max((first + len(blocks) for _, first, blocks in self.table_updates), default=0)
+        tables = BlockTables(max(self.rows, default=-1) + 1, longest if max_blocks is None else max_blocks, device)
+        tables.update(self.table_updates)
+        return tables
+
+    def metadata(self, device: torch.device | str = "cpu", tables: BlockTables | None = None) -> AttentionMetadata:
+        "The attention metadata of this step on `device` (notebook 06), its block tables read from the rank's `tables` (updated already) or its own."
+        tables = self.own_tables(device) if tables is None else tables
         # subtle: groups of similar length help the CPU's gathers; a GPU's kernels read the whole batch in place
-        group_size = DECODE_GROUP_SIZE if torch.device(device).type == "cpu" else None
+        group_size = DECODE_GROUP_SIZE if tables.device.type == "cpu" else None
         return step_metadata(self.is_prefill, self.slot_mapping, self.num_new_tokens, self.context_lens,
-                             self.block_tables, device, group_size)
+                             tables, self.rows, group_size)
 
 class StepOutput(NamedTuple):
     "What rank 0 returns from a step: one sampled token per sequence, the logprobs of those that asked, and the prompt logprobs of the step's prompt_logprob_rows."
