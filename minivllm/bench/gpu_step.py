@@ -16,8 +16,9 @@ from ..config import Config, rank_bytes
 from ..gpu.triton_attention import DECODE_PROGRAMS_PER_SM, decode_splits
 
 # %% auto #0
-__all__ = ['NO_KERNEL_OPS', 'CARDS', 'UNFUSED', 'KernelCount', 'decoder_layer_kernels', 'Card', 'StepPlan', 'decode_steps',
-           'read_bytes', 'run_time', 'tokens_per_s', 'bandwidth_ceiling', 'sampler_kernels', 'counted_plan']
+__all__ = ['NO_KERNEL_OPS', 'CARDS', 'UNFUSED', 'HOST_S_PER_SEQ', 'KernelCount', 'decoder_layer_kernels', 'Card', 'StepPlan',
+           'decode_steps', 'read_bytes', 'run_time', 'tokens_per_s', 'bandwidth_ceiling', 'sampler_kernels',
+           'counted_plan']
 
 # %% ../../nbs/14c_gpu_step.ipynb #b95e1487
 # aten operations that only describe a tensor (views, sizes) or reserve memory: no kernel runs for them on a GPU
@@ -68,6 +69,8 @@ class KernelCount(TorchDispatchMode):
             if kwargs.get("warmup"):
                 return run(kernel, *args, **kwargs)
             self.kernels[f"triton.{kernel.__name__}"] += 1
+            if self.large is not None:  # a launch that reads a large tensor sweeps it once
+                self.passes += any(isinstance(a, torch.Tensor) and a.numel() >= self.large for a in args)
             self.in_triton = True
             try:
                 return run(kernel, *args, **kwargs)
@@ -179,19 +182,24 @@ def bandwidth_ceiling(config: Config, work: Workload, card: Card) -> float:
     return work.output_tokens / (sum(weights + keys * kv_per_key for _, keys in decode_steps(work)) / card.bandwidth)
 
 # %% ../../nbs/14c_gpu_step.ipynb #0db35b4d
-def sampler_kernels(batch: int = 8, vocab: int = 4096, temperature: float = 0.6) -> KernelCount:
-    "The sampler's kernels on float32 logits `[batch, vocab]` at `temperature`, and (`.passes`) how many of them sweep the logits."
+def sampler_kernels(batch: int = 8, vocab: int = 4096, temperature: float = 0.6, draw=None) -> KernelCount:
+    "The sampler's kernels on float32 logits `[batch, vocab]` at `temperature` (with `draw`, a GPU's one-pass kernel), and (`.passes`) how many of them sweep the logits."
     from minivllm.sampler import Sampler
     logits = torch.randn(batch, vocab)
     with KernelCount(large=batch * vocab) as count:
-        Sampler()(logits, [temperature] * batch, [-1] * batch, [1.0] * batch)
+        Sampler(draw)(logits, [temperature] * batch, [-1] * batch, [1.0] * batch, [7] * batch, [0] * batch)
     return count
 
 # the step without its fused kernels and sampler: torch's small layers (58 kernels a layer), 8 passes over the logits
 # and 11 reads back to the host (counted in that code), the host's 1.3 ms at batch 256 spent while the card waits
 UNFUSED = StepPlan(kernels_per_layer=58, logit_passes=8, sampler_launches=25, host_reads=11, host_s_per_seq=1.3e-3 / 256)
 
-def counted_plan(host_reads: int, host_s_per_seq: float = UNFUSED.host_s_per_seq) -> StepPlan:
-    "The plan of the step as the code is now: its kernels a layer (Triton's, counted in the interpreter) and its sampler's, counted."
-    sampler = sampler_kernels()
+# the host's work a decode step at batch 256, measured on the CPU without a model (schedule and step message, the
+# graph's inputs from the kept block tables, postprocess): 0.84 ms (AMD EPYC; it was 1.85 ms with tables rebuilt)
+HOST_S_PER_SEQ = 0.84e-3 / 256
+
+def counted_plan(host_reads: int, host_s_per_seq: float = HOST_S_PER_SEQ) -> StepPlan:
+    "The plan of the step as the code is now: its kernels a layer and its sampler's one-pass draw (Triton's: on the CPU, counted in the interpreter)."
+    from minivllm import gpu
+    sampler = sampler_kernels(draw=gpu.sample_rows_triton)
     return StepPlan(decoder_layer_kernels("triton").total, sampler.passes, sampler.total, host_reads, host_s_per_seq)
