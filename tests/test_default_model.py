@@ -88,3 +88,16 @@ def test_model_card_validation_loss_is_reproduced():
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), rows[:, 1:].flatten()).item()
     assert abs(loss - log["validation_sample_loss"]) < 0.05, (loss, log["validation_sample_loss"])
     assert loss < 4.5, "the model card's model should have learned something"
+
+
+def test_the_packaged_model_chats_as_a_scene():
+    "Its chat template writes the user as Hamlet and the model as Horatio; `llm.chat` answers with the greedy text that prompt gets."
+    tok = transformers.AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    messages = [{"role": "system", "content": "Enter HAMLET and HORATIO."}, {"role": "user", "content": "What news?"}]
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt == "[Enter HAMLET and HORATIO.]\n\nHAMLET.\nWhat news?\n\nHORATIO.\n"
+    params = SamplingParams(temperature=0, max_tokens=24, stop=["\n\n"])
+    with LLM() as llm:
+        chat, plain = llm.chat(messages, params)[0], llm.generate([prompt], params, use_tqdm=False)[0]
+    assert chat.outputs[0].text == plain.outputs[0].text and chat.outputs[0].text.strip()
+    assert "\n\n" not in chat.outputs[0].text

@@ -209,6 +209,27 @@ def wrap_tokenizer(tok, max_len: int):
                                    model_max_length=max_len, clean_up_tokenization_spaces=False)
 
 
+# a conversation as a scene: the user speaks as Hamlet, the model answers as Horatio, a system message is a stage
+# direction; the generation prompt is Horatio's name line, the form every speech of the training text opens with
+CHAT_TEMPLATE = ("{%- for message in messages -%}\n"
+    "{%- if message['role'] == 'system' -%}\n"
+    "[{{ message['content'] }}]\n"
+    "\n"
+    "{% elif message['role'] == 'user' -%}\n"
+    "HAMLET.\n"
+    "{{ message['content'] }}\n"
+    "\n"
+    "{% elif message['role'] == 'assistant' -%}\n"
+    "HORATIO.\n"
+    "{{ message['content'] }}\n"
+    "\n"
+    "{% endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "HORATIO.\n"
+    "{% endif -%}")
+
+
 def save_tokenizer(hf_tok, out: Path) -> None:
     """`tokenizer.json` + `tokenizer_config.json` in `out`. transformers 5 names the class `TokenizersBackend`;
     we record the older alias `PreTrainedTokenizerFast` so that transformers 4.x loads the folder too."""
@@ -216,6 +237,7 @@ def save_tokenizer(hf_tok, out: Path) -> None:
     cfg_path = out / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["chat_template"] = CHAT_TEMPLATE
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     for extra in ("special_tokens_map.json", "chat_template.jinja"):  # not needed: everything is in the two files
         (out / extra).unlink(missing_ok=True)
@@ -471,7 +493,9 @@ the rest is training data. Training tokens: {info['train_tokens']:,}; validation
 Byte-level BPE (GPT-2 style pre-tokenisation, no prefix space) trained with the `tokenizers` library on the
 training split, vocabulary {c['vocab_size']}, `min_frequency` 2. The single special token `{EOS}` (id 0) is EOS, BOS
 and PAD; the tokenizer adds no special tokens to what it encodes. Files: `tokenizer.json`, `tokenizer_config.json`
-(loads as `PreTrainedTokenizerFast` with `AutoTokenizer.from_pretrained`).
+(loads as `PreTrainedTokenizerFast` with `AutoTokenizer.from_pretrained`). Its chat template writes a conversation
+as a scene: the user speaks as `HAMLET.`, the model answers as `HORATIO.`, a system message is a stage direction in
+brackets; a reply runs on into the next speeches unless a request stops it at a blank line (`stop=["\\n\\n"]`).
 
 ## Training
 
