@@ -1,7 +1,8 @@
 """The CPU GEMM chosen per machine and per weight shape (notebook 03): every kernel, forced, gives the plain `F.linear`
-outputs on every kind of layer and on the LM head; the measured choice is cached under a key that changes with the
-CPU, torch's version, the threads and the shape; a broken cache file is measured again; a forced kernel is never
-timed."""
+outputs on every kind of layer and on the LM head; the timings are cached, per candidate, under a key that changes
+with the CPU, torch's version, the threads and the shape (not the candidates: a new one is timed alone); timings
+taken on a busy machine are saved marked busy and timed again once, at a start that finds the machine quiet; a broken
+cache file is measured again; a forced kernel is never timed."""
 from __future__ import annotations
 
 import json
@@ -12,8 +13,9 @@ import torch.nn.functional as F
 
 from minivllm.config import Config
 from minivllm.cpu import gemm
-from minivllm.cpu.gemm import (GEMM_ROWS, LOGIT_ROWS, choose_gemm, cpu_gemm_setting, gemm_cache_key, gemm_cache_path,
-                               gemm_kernels, pick_gemm, read_gemm_cache, relative_times, time_gemm)
+from minivllm.cpu.gemm import (GEMM_ROWS, LOGIT_ROWS, GemmStart, choose_gemm, cpu_gemm_setting, gemm_cache_key,
+                               gemm_cache_path, gemm_candidate_id, gemm_kernels, pick_gemm, read_gemm_cache,
+                               relative_times, time_gemm)
 from minivllm.layers.embed_head import ParallelLMHead
 from minivllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
                                     RowParallelLinear)
@@ -33,6 +35,12 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(gemm, "gemm_cache_path", lambda: tmp_path / "cache" / "cpu_gemm.json")
     monkeypatch.delenv("MINIVLLM_CPU_GEMM", raising=False)
     monkeypatch.setattr(gemm, "cores_busy_elsewhere", lambda before, after: 0.0)  # a quiet machine, unless a test says
+    monkeypatch.setattr(gemm, "THIS_START", GemmStart())  # this process's start: a fresh one for every test
+
+
+def timed(W, rows=GEMM_ROWS) -> dict:
+    "The cached records of `W`'s key: candidate id -> record."
+    return read_gemm_cache(gemm.gemm_cache_path())[gemm_cache_key(W, rows)]["timed"]
 
 
 class CountingMeasure:
@@ -156,7 +164,8 @@ def test_measured_once_then_read_back():
     choose_gemm(W, rows=LOGIT_ROWS, measure=measure)  # other rows timed: another entry
     assert [c[0] for c in measure.calls] == [(24, 16), (16, 24), (24, 16)]
     entries = read_gemm_cache(gemm.gemm_cache_path())
-    assert len(entries) == 3 and all(e["kernel"] == KERNELS[-1] for e in entries.values())
+    assert len(entries) == 3 and all(sorted(e["timed"]) == sorted(KERNELS) for e in entries.values())
+    assert all(r["quiet"] and len(r["samples_us"]) == len(GEMM_ROWS) for r in timed(W).values())
 
 
 @needs_choice
@@ -195,13 +204,14 @@ def test_the_key_names_what_the_choice_depends_on(monkeypatch):
     monkeypatch.setattr(gemm, "cpu_model", lambda: "Test CPU [12345678]")
     key = json.loads(gemm_cache_key(rand(24, 16), GEMM_ROWS))
     assert key == ["Test CPU [12345678]", torch.__version__, torch.get_num_threads(), "float32", [24, 16], [1, 16, 64, 256],
-                   "from memory", gemm_kernels()]  # the candidates too: a kernel added since is measured against the others
+                   "from memory"]  # not the candidates: each one's samples are kept apart under the key
     assert gemm.cpu_model() != ""
 
 
 @needs_choice
 @pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"\xff\xfe\x00", b'{"KEY": {"kernel": "blas"}}',
-                                     b'{"KEY": "mkl"}', None])
+                                     b'{"KEY": "mkl"}', b'{"KEY": {"timed": {"torch": {"samples_us": [[0]], "quiet": 1}}}}',
+                                     None])
 def test_a_broken_cache_is_measured_again(content):
     "A cache file that is not JSON, not a dict, has an unknown kernel or cannot be read is ignored, re-measured, rewritten."
     W, path = rand(24, 16), gemm.gemm_cache_path()
@@ -214,25 +224,117 @@ def test_a_broken_cache_is_measured_again(content):
     measure = CountingMeasure()
     assert choose_gemm(W, measure=measure) == KERNELS[-1]
     assert len(measure.calls) == 1
-    if content is not None:  # rewritten whole with the new choice
-        assert read_gemm_cache(path)[key]["kernel"] == KERNELS[-1]
+    if content is not None:  # rewritten with the new timings
+        assert sorted(timed(W)) == sorted(KERNELS) and all(r["quiet"] for r in timed(W).values())
 
 
 @needs_choice
-@pytest.mark.parametrize("threads,busy,saved", [(2, 0.4, True), (2, 1.0, False), (1, 1.0, True), (1, 1.6, False)])
-def test_a_measurement_on_a_busy_machine_is_not_saved(monkeypatch, threads, busy, saved):
-    "Other processes took the cores this process's threads need: the pick serves this process, and the next measures again."
+@pytest.mark.parametrize("threads,busy,quiet", [(2, 0.4, True), (2, 1.0, False), (1, 1.0, True), (1, 1.6, False)])
+def test_a_timing_on_a_busy_machine_is_saved_marked_busy(monkeypatch, threads, busy, quiet):
+    "Other processes took the cores this process's threads need: the timings are saved all the same, marked busy."
     monkeypatch.setattr(gemm, "cores_busy_elsewhere", lambda before, after: busy)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    monkeypatch.setattr(gemm.os, "sched_getaffinity", lambda pid: {0, 1})  # two cores
-    measure, this_process = CountingMeasure(), {}
-    assert choose_gemm(rand(24, 16), measure=measure, unsaved=this_process) == KERNELS[-1]
-    assert choose_gemm(rand(24, 16), measure=measure, unsaved=this_process) == KERNELS[-1]  # every layer of the shape
+    monkeypatch.setattr(gemm, "process_cores", lambda: 2)
+    measure = CountingMeasure()
+    assert choose_gemm(rand(24, 16), measure=measure) == KERNELS[-1]
+    assert choose_gemm(rand(24, 16), measure=measure) == KERNELS[-1]  # every layer of the shape
     assert len(measure.calls) == 1
-    assert len(read_gemm_cache(gemm.gemm_cache_path())) == (1 if saved else 0)
-    assert len(this_process) == (0 if saved else 1)
-    assert choose_gemm(rand(24, 16), measure=measure, unsaved={}) == KERNELS[-1]  # the next process
-    assert len(measure.calls) == (1 if saved else 2)
+    records = timed(rand(24, 16))
+    assert sorted(records) == sorted(KERNELS)
+    assert {(r["quiet"], r["busy_elsewhere"]) for r in records.values()} == {(quiet, busy)}
+
+
+@needs_choice
+def test_a_busy_marked_choice_is_reused_by_a_busy_start_without_timing(monkeypatch):
+    "The next start, on a machine still busy, picks from the busy-marked samples: it looks at the machine once, times nothing."
+    monkeypatch.setattr(gemm, "cores_busy_elsewhere", lambda before, after: 2.0)
+    monkeypatch.setattr(gemm, "process_cores", lambda: 2)
+    measure, W = CountingMeasure(), rand(24, 16)
+    assert choose_gemm(W, measure=measure) == KERNELS[-1]
+    assert {r["quiet"] for r in timed(W).values()} == {False}
+    looks = []
+    monkeypatch.setattr(gemm, "machine_busy", lambda: looks.append(1) or (0.0, 0.0, 0.0))
+    start, other = GemmStart(), CountingMeasure(KERNELS[0])  # a timing now would pick another kernel
+    for _ in range(3):
+        assert choose_gemm(W, measure=other, start=start) == KERNELS[-1]
+        assert choose_gemm(rand(16, 24), measure=measure, start=start) == KERNELS[-1]  # a new shape: timed, busy
+    assert other.calls == [] and len(measure.calls) == 2
+    assert len(looks) == 4 and start.busy_elsewhere == 2.0  # two readings for one look, two for the new shape's timing
+    assert {r["quiet"] for r in timed(W).values()} == {False}
+
+
+@needs_choice
+def test_a_quiet_start_times_a_busy_marked_entry_again_once(monkeypatch):
+    "A start that finds the machine quiet times every candidate of a busy-marked key again, together, once; marked quiet."
+    monkeypatch.setattr(gemm, "cores_busy_elsewhere", lambda before, after: 2.0)
+    monkeypatch.setattr(gemm, "process_cores", lambda: 2)
+    W = rand(24, 16)
+    choose_gemm(W, measure=CountingMeasure(KERNELS[0]))
+    assert {r["quiet"] for r in timed(W).values()} == {False}
+    monkeypatch.setattr(gemm, "cores_busy_elsewhere", lambda before, after: 0.0)
+    start, measure = GemmStart(), CountingMeasure(KERNELS[-1])
+    for _ in range(3):  # every layer of the shape: timed once
+        assert choose_gemm(W, measure=measure, start=start) == KERNELS[-1]
+    assert measure.calls == [((24, 16), tuple(KERNELS), GEMM_ROWS)]
+    assert {r["quiet"] for r in timed(W).values()} == {True}
+    later = CountingMeasure(KERNELS[0])
+    assert choose_gemm(W, measure=later, start=GemmStart()) == KERNELS[-1] and later.calls == []  # quiet: kept for good
+
+
+@needs_choice
+def test_a_quiet_start_that_finds_it_busy_again_times_it_only_once(monkeypatch):
+    "The machine turned busy again during the quiet start's timing: marked busy again, and not timed again in that start."
+    monkeypatch.setattr(gemm, "cores_busy_elsewhere", lambda before, after: 2.0)
+    monkeypatch.setattr(gemm, "process_cores", lambda: 2)
+    W, measure = rand(24, 16), CountingMeasure()
+    choose_gemm(W, measure=measure)
+    start = GemmStart()
+    start.busy_elsewhere = 0.0  # this start found the machine quiet; its timing does not
+    for _ in range(3):
+        choose_gemm(W, measure=measure, start=start)
+    assert len(measure.calls) == 2 and {r["quiet"] for r in timed(W).values()} == {False}
+
+
+@needs_choice
+def test_a_new_candidate_is_timed_alone_and_the_others_keep_their_timings(monkeypatch):
+    "A cache written before a candidate existed (our kernel before its build, say): only the new one is timed."
+    W, real, calls = rand(24, 16), gemm.gemm_kernels, []
+
+    def measure(us: dict):
+        "A stand-in for `time_gemm` in which each kernel takes `us[kernel]` a call."
+        def timing(weight, kernels, rows):
+            calls.append(tuple(kernels))
+            return {k: [[us[k] * 1e-6] * 3] * len(rows) for k in kernels}
+        return timing
+    monkeypatch.setattr(gemm, "gemm_kernels", lambda dtype=torch.float32: real(dtype)[:-1])
+    assert choose_gemm(W, measure=measure({k: 2.0 + i for i, k in enumerate(KERNELS)})) == KERNELS[0]
+    before = timed(W)
+    assert sorted(before) == sorted(KERNELS[:-1])
+    monkeypatch.setattr(gemm, "gemm_kernels", real)
+    path, key = gemm.gemm_cache_path(), gemm_cache_key(W, GEMM_ROWS)
+    for us, pick in ((1.0, KERNELS[-1]), (9.0, KERNELS[0])):  # the new one faster than the kept ones, or slower
+        calls.clear()
+        assert choose_gemm(W, measure=measure({KERNELS[-1]: us}), start=GemmStart()) == pick
+        assert choose_gemm(W, measure=measure({}), start=GemmStart()) == pick  # and the next start reads it back
+        assert calls == [(KERNELS[-1],)]
+        after = timed(W)
+        assert {k: after[k] for k in before} == before and sorted(after) == sorted(KERNELS)
+        data = read_gemm_cache(path)
+        del data[key]["timed"][KERNELS[-1]]  # as it was before the new candidate
+        path.write_text(json.dumps(data))
+
+
+def test_our_kernel_is_a_new_candidate_with_each_version_of_its_source(monkeypatch):
+    "Our kernel's samples are kept under its name and source digest: another version is timed alone and replaces them."
+    ours = gemm_candidate_id("avx512bf16")
+    assert ours.startswith("avx512bf16 ") and gemm_candidate_id("onednn") == "onednn"
+    monkeypatch.setattr(gemm.kernels, "BF16_GEMM_SOURCE", "// another version")
+    assert gemm_candidate_id("avx512bf16") != ours
+    rec = {"samples_us": [[1.0]], "quiet": True}
+    path = gemm.gemm_cache_path()
+    gemm.save_gemm_timings(path, "k", {ours: rec, "torch": rec})
+    gemm.save_gemm_timings(path, "k", {gemm_candidate_id("avx512bf16"): rec})
+    assert sorted(read_gemm_cache(path)["k"]["timed"]) == sorted(["torch", gemm_candidate_id("avx512bf16")])
 
 
 @needs_choice
@@ -241,11 +343,11 @@ def test_a_cache_folder_that_cannot_be_written(tmp_path, monkeypatch):
     blocked = tmp_path / "file"
     blocked.write_text("")
     monkeypatch.setattr(gemm, "gemm_cache_path", lambda: blocked / "below" / "cpu_gemm.json")  # not a folder
-    measure, this_process = CountingMeasure(), {}
-    assert choose_gemm(rand(24, 16), measure=measure, unsaved=this_process) == KERNELS[-1]
-    assert choose_gemm(rand(24, 16), measure=measure, unsaved=this_process) == KERNELS[-1]
+    measure, this_start = CountingMeasure(), GemmStart()
+    assert choose_gemm(rand(24, 16), measure=measure, start=this_start) == KERNELS[-1]
+    assert choose_gemm(rand(24, 16), measure=measure, start=this_start) == KERNELS[-1]
     assert len(measure.calls) == 1
-    assert choose_gemm(rand(24, 16), measure=measure, unsaved={}) == KERNELS[-1]  # the next process
+    assert choose_gemm(rand(24, 16), measure=measure, start=GemmStart()) == KERNELS[-1]  # the next process
     assert len(measure.calls) == 2
 
 

@@ -1,8 +1,10 @@
 """Building the C++ CPU kernels (notebook 04a): a build killed at any point never blocks a later start, a build held by
-a live process is waited for only so long, a first run builds in the background, and environments sharing one cache
-rebuild nothing of each other's. A tiny library stands in for the real ones (it compiles in about a second)."""
+a live process is waited for only so long, a first run builds in the background, environments sharing one cache
+rebuild nothing of each other's, another ninja changes no folder, and a new build removes the old ones of its library
+that nothing holds. A tiny library stands in for the real ones (it compiles in about a second)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,15 +14,19 @@ from pathlib import Path
 
 import pytest
 
-from minivllm.cpu.kernels import cpu_kernels_enabled, file_lock
+from minivllm.cpu import kernels
+from minivllm.cpu.kernels import cpu_kernels_enabled, file_lock, kernel_build_folder, kernel_build_inputs, remove_stale_builds
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_enabled(), reason="the C++ kernels are off here")
 
 PROBE = 'extern "C" int minivllm_probe() { return 42; }\n'
 SLOW_PROBE = "#include <ATen/ATen.h>\n" + PROBE  # a few seconds of compiling: time to kill it in the middle
-# a child that builds the probe library and prints whether it got it; `prefix` stands for another environment
+# a child that builds the probe library and prints whether it got it; an argument is another environment's torch folder
 CHILD = """import os, sys, time
-if len(sys.argv) > 1: sys.prefix = sys.argv[1]
+from minivllm.cpu import kernels
+if len(sys.argv) > 1:
+    real = kernels.kernel_build_inputs
+    kernels.kernel_build_inputs = lambda: real() | {"torch install": sys.argv[1]}
 from minivllm.cpu.kernels import build_cpu_extension, kernel_build_folder
 start = time.monotonic()
 ok = build_cpu_extension("probe", os.environ["PROBE"])
@@ -93,10 +99,12 @@ def test_a_first_run_does_not_wait_the_build_happens_in_the_background(tmp_path)
 
 
 def test_environments_sharing_a_cache_rebuild_nothing_of_each_others(tmp_path):
-    "Two environments (two sys.prefix) alternating on one cache: a folder each, and after the first build no rebuild."
+    "Two environments (two torch installs) alternating on one cache: a folder each, and after the first build no rebuild."
     first = {}
+    for env in ("venv-a", "venv-b"):
+        (tmp_path / env).mkdir()  # installed: neither environment's build is stale to the other
     for turn in range(2):
-        for env in ("/venv/a", "/venv/b"):
+        for env in (str(tmp_path / "venv-a"), str(tmp_path / "venv-b")):
             (ok, _, folder), err = run_child(tmp_path, env)
             so = next(folder.glob("*.so"))
             assert ok
@@ -105,4 +113,104 @@ def test_environments_sharing_a_cache_rebuild_nothing_of_each_others(tmp_path):
                 assert "building the CPU kernels probe" in err
             else:
                 assert (folder, so.stat().st_mtime_ns) == first[env] and "building" not in err, err[-2000:]
-    assert first["/venv/a"][0] != first["/venv/b"][0]
+    assert first[str(tmp_path / "venv-a")][0] != first[str(tmp_path / "venv-b")][0]
+
+
+@pytest.fixture
+def fresh_inputs():
+    "`kernel_build_inputs` read again inside the test and after it (it is kept once a process)."
+    kernels._build_inputs.cache_clear()
+    yield
+    kernels._build_inputs.cache_clear()
+
+
+def test_the_key_does_not_change_with_ninja(tmp_path, monkeypatch, fresh_inputs):
+    "Another ninja first on PATH (pip's, from the dev extra), or another sys.prefix: the same inputs, the same folder."
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    before, folder = kernel_build_inputs(), kernel_build_folder(PROBE)
+    fake = tmp_path / "bin" / "ninja"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 99.0.0\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "another venv"))
+    kernels._build_inputs.cache_clear()
+    assert subprocess.run(["ninja", "--version"], capture_output=True, text=True).stdout == "99.0.0\n"
+    assert (kernel_build_inputs(), kernel_build_folder(PROBE)) == (before, folder)
+    assert not any("ninja" in k or "ninja" in v for k, v in before.items())
+
+
+def test_the_key_changes_with_the_compiler_torch_and_flags(tmp_path, monkeypatch, fresh_inputs):
+    "What makes another binary makes another folder: the compiler (its version), torch's version, the flags, the source."
+    folder = kernel_build_folder(PROBE)
+    assert kernel_build_folder(PROBE + "\n") != folder
+    fake = tmp_path / "c++"
+    fake.write_text("#!/bin/sh\necho 'g++ (Other) 99.1'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    kernels._build_inputs.cache_clear()
+    assert kernel_build_inputs()["compiler version"] == "g++ (Other) 99.1" and kernel_build_folder(PROBE) != folder
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr(kernels.torch, "__version__", "99.0.0")
+    kernels._build_inputs.cache_clear()
+    assert kernel_build_folder(PROBE) != folder
+    monkeypatch.undo()
+    monkeypatch.setattr(kernels, "KERNEL_FLAGS", [*kernels.KERNEL_FLAGS, "-DOTHER"])
+    kernels._build_inputs.cache_clear()
+    assert kernel_build_folder(PROBE) != folder
+
+
+def fake_build(cache: Path, lib: str, folder: str, age_s: float, torch_dir: str | None) -> Path:
+    "A folder as a build leaves it: the library (`age_s` old) and, unless None, the torch it was built with."
+    (cache / folder).mkdir(parents=True)
+    so = cache / folder / f"{lib}_{folder}.so"
+    so.write_bytes(b"")
+    os.utime(so, (time.time() - age_s,) * 2)
+    if torch_dir is not None:
+        (cache / folder / "inputs.json").write_text(json.dumps({"torch install": torch_dir}))
+    return cache / folder
+
+
+def test_stale_builds_are_removed_and_the_others_kept(tmp_path):
+    "Older builds of the same library, of this torch, of a torch gone or of an older key, are removed; no other."
+    here = kernel_build_inputs()["torch install"]
+    new = fake_build(tmp_path, "minivllm_cpu", "new", 0, here)
+    stale = [fake_build(tmp_path, "minivllm_cpu", "old", 60, here),
+             fake_build(tmp_path, "minivllm_cpu", "oldkey", 60, None),
+             fake_build(tmp_path, "minivllm_cpu", "gone", 60, str(tmp_path / "removed venv"))]
+    kept = [fake_build(tmp_path, "minivllm_cpu", "live", 60, str(tmp_path)),  # another environment, installed
+            fake_build(tmp_path, "minivllm_cpu_layers", "layers", 60, here),  # another library, a longer name
+            fake_build(tmp_path, "minivllm_cpu", "newer", -60, here),  # built after this one
+            fake_build(tmp_path, "minivllm_cpu", "loading", 60, here)]  # held by another process
+    (tmp_path / "no library").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+                               str(kept[-1] / "minivllm.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        assert sorted(remove_stale_builds("minivllm_cpu", new)) == sorted(stale)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["new", "no library", *(p.name for p in kept)])
+    assert remove_stale_builds("minivllm_cpu", new) == [kept[-1]]  # let go: removed the next time
+    assert remove_stale_builds("minivllm_cpu", tmp_path / "never built") == []
+
+
+def test_stale_builds_that_cannot_be_removed_stay(tmp_path, monkeypatch):
+    "A failure to remove an old build (a read-only folder, say) leaves it and the new build alone."
+    here = kernel_build_inputs()["torch install"]
+    new, old = fake_build(tmp_path, "lib", "new", 0, here), fake_build(tmp_path, "lib", "old", 60, here)
+    monkeypatch.setattr(kernels.shutil, "rmtree", lambda path: (_ for _ in ()).throw(PermissionError("read-only")))
+    assert remove_stale_builds("lib", new) == [] and old.exists() and new.exists()
+    (old / "inputs.json").write_text("{not json")
+    assert remove_stale_builds("lib", new) == [] and old.exists()
+
+
+def test_a_new_build_removes_the_old_build_of_its_library(tmp_path):
+    "A new version of the probe's source, built under the same name: its folder is new, the old version's is gone."
+    (ok, _, old), _ = run_child(tmp_path)
+    (ok2, _, new), err = run_child(tmp_path, probe=PROBE.replace("42", "43"))
+    assert ok and ok2 and old != new, err[-2000:]
+    assert not old.exists() and list(new.glob("probe_*.so"))
+    assert json.loads((new / "inputs.json").read_text())["torch install"] == kernel_build_inputs()["torch install"]

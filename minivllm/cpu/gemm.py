@@ -23,12 +23,12 @@ import torch.nn.functional as F
 from . import kernels
 
 # %% auto #0
-__all__ = ['ONEDNN_DTYPES', 'GEMM_KERNELS', 'GEMM_ROWS', 'LOGIT_ROWS', 'UNSAVED_CHOICES', 'mkl_packing_available',
-           'check_packable', 'check_fits', 'PackedWeight', 'onednn_packing_available', 'OneDNNWeight',
-           'BF16PanelWeight', 'gemm_kernels', 'pack_weight', 'cpu_gemm_setting', 'last_level_cache_bytes',
-           'weight_copies', 'time_gemm', 'relative_times', 'pick_gemm', 'cpu_model', 'gemm_cache_key',
-           'gemm_cache_path', 'read_gemm_cache', 'save_gemm_choice', 'machine_busy', 'cores_busy_elsewhere',
-           'quiet_enough', 'choose_gemm', 'packed_weight']
+__all__ = ['ONEDNN_DTYPES', 'GEMM_KERNELS', 'GEMM_ROWS', 'LOGIT_ROWS', 'THIS_START', 'mkl_packing_available', 'check_packable',
+           'check_fits', 'PackedWeight', 'onednn_packing_available', 'OneDNNWeight', 'BF16PanelWeight', 'gemm_kernels',
+           'pack_weight', 'cpu_gemm_setting', 'last_level_cache_bytes', 'weight_copies', 'time_gemm', 'relative_times',
+           'pick_gemm', 'cpu_model', 'gemm_candidate_id', 'gemm_cache_key', 'gemm_cache_path', 'read_gemm_cache',
+           'gemm_timings', 'save_gemm_timings', 'machine_busy', 'cores_busy_elsewhere', 'quiet_enough', 'process_cores',
+           'GemmStart', 'machine_quiet', 'choose_gemm', 'packed_weight']
 
 # %% ../../nbs/03a_cpu_gemm.ipynb #ed264a77
 @functools.cache
@@ -240,43 +240,61 @@ def cpu_model() -> str:
     flags = hashlib.sha1((field("flags") or field("Features")).encode()).hexdigest()[:8]
     return f"{field('model name') or platform.processor() or platform.machine()} [{flags}]"
 
+def gemm_candidate_id(kernel: str) -> str:
+    "The name a kernel's samples are kept under: the kernel's, with a digest of its source for our own. Example: `'mkl' -> 'mkl'`."
+    # subtle: torch's and MKL's kernels change with torch's version, which the key has; ours changes with its source
+    if kernel == "avx512bf16":
+        return f"{kernel} {hashlib.sha1(kernels.BF16_GEMM_SOURCE.encode()).hexdigest()[:8]}"
+    return kernel
+
 def gemm_cache_key(weight: torch.Tensor, rows: tuple[int, ...]) -> str:
-    "What a measured choice depends on: CPU, torch version, threads, the weight's dtype and shape, the rows timed, the candidates."
-    # subtle: our own kernel is named with a digest of its source, so a choice measured with another version of it is
-    # measured again (torch's and MKL's change with torch's version, which the key has)
-    ours = hashlib.sha1(kernels.BF16_GEMM_SOURCE.encode()).hexdigest()[:8]
-    candidates = [f"{k} {ours}" if k == "avx512bf16" else k for k in gemm_kernels(weight.dtype)]
-    # "from memory": timed as `time_gemm` times it, each call reading its weight from memory, not from the cache
+    "What a timing depends on: the CPU, torch's version, the threads, the weight's dtype and shape, the rows timed."
+    # "from memory": timed as `time_gemm` times it, each call reading its weight from memory, not from the cache.
+    # subtle: not the candidates: their samples are kept apart under the key, so a kernel built later is timed alone
     return json.dumps([cpu_model(), torch.__version__, torch.get_num_threads(), str(weight.dtype).removeprefix("torch."),
-                       list(weight.shape), list(rows), "from memory", candidates])
+                       list(weight.shape), list(rows), "from memory"])
 
 def gemm_cache_path() -> Path:
-    "The file of measured choices: `cpu_gemm.json` in `$MINIVLLM_CACHE`, else in `~/.cache/minivllm`."
+    "The file of measured timings: `cpu_gemm.json` in `$MINIVLLM_CACHE`, else in `~/.cache/minivllm`."
     return Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm")) / "cpu_gemm.json"
 
 def read_gemm_cache(path: Path) -> dict:
-    "The choices measured before, from the JSON file at `path`; empty if it is missing, unreadable or not a dict."
+    "The entries measured before, from the JSON file at `path`; empty if it is missing, unreadable or not a dict."
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
 
-def save_gemm_choice(path: Path, key: str, entry: dict) -> bool:
-    "Add `entry` under `key` to the file at `path`, locked against other ranks; whether it could (else: skipped, warned)."
+def gemm_timings(entry, rows: tuple[int, ...]) -> dict[str, dict]:
+    "The well-formed records of a cache entry: candidate id -> `{samples_us: [row count][round], quiet: bool, ...}`."
+    def valid(record) -> bool:
+        samples = record.get("samples_us") if isinstance(record, dict) else None
+        return (isinstance(record.get("quiet") if isinstance(record, dict) else None, bool)
+                and isinstance(samples, list) and len(samples) == len(rows)
+                and all(isinstance(s, list) and s and all(type(t) in (int, float) and t > 0 for t in s) for s in samples))
+    timed = entry.get("timed") if isinstance(entry, dict) else None
+    return {k: r for k, r in timed.items() if valid(r)} if isinstance(timed, dict) else {}
+
+def save_gemm_timings(path: Path, key: str, records: dict[str, dict]) -> bool:
+    "Merge `records` (candidate id -> record) into the entry under `key` of the file at `path`, locked against other ranks; whether it could."
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_name(path.name + ".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
             data = read_gemm_cache(path)
-            data[key] = entry
+            old = data.get(key).get("timed") if isinstance(data.get(key), dict) else None
+            names = {k.split()[0] for k in records}  # another version of our kernel: replaced by this one
+            kept = {k: r for k, r in old.items() if k.split()[0] not in names} if isinstance(old, dict) else {}
+            data[key] = {"timed": kept | records}
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(data, indent=1))
             os.replace(tmp, path)  # subtle: readers without the lock see the old file or the new one, never half
         return True
     except OSError as e:
-        logging.getLogger("minivllm").warning(f"could not save the CPU GEMM choice in {path} ({e}): it is measured again next time")
+        logging.getLogger("minivllm").warning(f"could not save the CPU GEMM timings in {path} ({e}): this process keeps "
+                                              "them, the next start times again")
         return False
 
 # %% ../../nbs/03a_cpu_gemm.ipynb #999ae993
@@ -301,47 +319,69 @@ def quiet_enough(busy_elsewhere: float, threads: int, cores: int) -> bool:
     "Whether other processes left this process's `threads` their cores (half a core of slack). Example: `(0.3, 2, 2) -> True`."
     return busy_elsewhere <= max(0, cores - threads) + 0.5
 
+def process_cores() -> int:
+    "How many cores this process may run on (its affinity where the OS tells it)."
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
 # %% ../../nbs/03a_cpu_gemm.ipynb #60b7bc59
-UNSAVED_CHOICES: dict[tuple[str, str], str] = {}  # (cache file, key) -> a kernel this process measured but did not save
+class GemmStart:
+    "What one start of the engine (one process) knows besides the cache file: the timings it took, and how busy it found the machine."
+    def __init__(self):
+        self.timed: dict[tuple[str, str], dict[str, dict]] = {}  # (cache file, key) -> records this start timed, saved or not
+        self.busy_elsewhere: float | None = None  # cores other processes kept busy, the first time this start looked
+
+    def __repr__(self) -> str: return f"GemmStart({len(self.timed)} keys timed, busy elsewhere {self.busy_elsewhere})"
+
+THIS_START = GemmStart()  # this process's
+
+def machine_quiet(start: GemmStart, look_s: float = 0.2) -> bool:
+    "Whether the machine leaves this process's threads their cores: as `start` first found it (its first timing, else a look of `look_s` s)."
+    if start.busy_elsewhere is None:
+        before = machine_busy()
+        time.sleep(look_s)  # subtle: asleep, this process adds nothing: what /proc/stat counts is the others' work
+        start.busy_elsewhere = cores_busy_elsewhere(before, machine_busy())
+    return quiet_enough(start.busy_elsewhere, torch.get_num_threads(), process_cores())
 
 def choose_gemm(weight: torch.Tensor, setting: str = "auto", rows: tuple[int, ...] = GEMM_ROWS, cache: Path | None = None,
-                measure: Callable[..., dict[str, list[list[float]]]] | None = None,
-                unsaved: dict[tuple[str, str], str] | None = None) -> str:
-    "The GEMM for `weight`: the kernel `setting` forces, else the one `measure` (`time_gemm`) found fastest here (cached)."
-    unsaved = UNSAVED_CHOICES if unsaved is None else unsaved
+                measure: Callable[..., dict[str, list[list[float]]]] | None = None, start: GemmStart | None = None) -> str:
+    "The GEMM for `weight`: the kernel `setting` forces, else the one `measure` (`time_gemm`) found fastest here (cached per candidate)."
+    start, log = THIS_START if start is None else start, logging.getLogger("minivllm")
     kernels = gemm_kernels(weight.dtype)
     if setting != "auto":
         here = list(dict.fromkeys(gemm_kernels() + gemm_kernels(torch.bfloat16)))  # for one dtype or another
         if setting not in here:
             raise RuntimeError(f"the CPU GEMM {setting!r} is forced (MINIVLLM_CPU_GEMM) but this torch has only {here}")
         if setting not in kernels:  # e.g. MKL's, float32's only, on a bfloat16 weight: F.linear, as before packing
-            logging.getLogger("minivllm").info(f"the forced CPU GEMM {setting!r} cannot multiply {weight.dtype} "
-                                               f"weights (it has {kernels}): F.linear multiplies them")
+            log.info(f"the forced CPU GEMM {setting!r} cannot multiply {weight.dtype} weights (it has {kernels}): "
+                     "F.linear multiplies them")
             return "torch"
         return setting
     if len(kernels) == 1:
         return kernels[0]
-    path, key = cache or gemm_cache_path(), gemm_cache_key(weight, rows)
-    entry = read_gemm_cache(path).get(key)
-    if isinstance(entry, dict) and entry.get("kernel") in kernels:
-        return entry["kernel"]
-    if unsaved.get((str(path), key)) in kernels:  # measured by this process before, but not saved: not again
-        return unsaved[str(path), key]
-    logging.getLogger("minivllm").info(f"timing the CPU GEMMs {kernels} on a {tuple(weight.shape)} weight (once per machine)")
-    before = machine_busy()
-    samples = (measure or time_gemm)(weight, kernels, rows)
-    kernel, elsewhere = pick_gemm(samples), cores_busy_elsewhere(before, machine_busy())
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if not quiet_enough(elsewhere, torch.get_num_threads(), cores):
-        logging.getLogger("minivllm").info(f"other processes kept {elsewhere:.1f} cores busy while the CPU GEMMs were "
-                                           f"timed: {kernel} serves this process, not saved (measured again next start)")
-        unsaved[str(path), key] = kernel
-        return kernel
-    if not save_gemm_choice(path, key, {"kernel": kernel, "rows": list(rows), "relative": relative_times(samples),
-                                        "us_per_call": {k: [round(statistics.median(s) * 1e6, 2) for s in per_rows]
-                                                        for k, per_rows in samples.items()}}):
-        unsaved[str(path), key] = kernel
-    return kernel
+    path = Path(cache or gemm_cache_path())
+    key, ids = gemm_cache_key(weight, rows), {k: gemm_candidate_id(k) for k in kernels}
+    this_start = start.timed.get((str(path), key), {})
+    timed = gemm_timings(read_gemm_cache(path).get(key), rows) | this_start
+    todo = [k for k in kernels if ids[k] not in timed]  # never timed here: timed alone, the others keep their samples
+    busy = [k for k in kernels if ids[k] in timed and not timed[ids[k]]["quiet"]]
+    if busy and not this_start and machine_quiet(start):
+        todo = kernels  # timed on a busy machine and this start finds it quiet: all of them again, together, once
+    if todo:
+        log.info(f"timing the CPU GEMMs {todo} on a {tuple(weight.shape)} weight (once per machine)")
+        before = machine_busy()
+        samples = (measure or time_gemm)(weight, todo, rows)
+        elsewhere = cores_busy_elsewhere(before, machine_busy())
+        start.busy_elsewhere = elsewhere if start.busy_elsewhere is None else start.busy_elsewhere
+        quiet = quiet_enough(elsewhere, torch.get_num_threads(), process_cores())
+        if not quiet:
+            log.info(f"other processes kept {elsewhere:.1f} cores busy while the CPU GEMMs were timed: saved marked "
+                     "busy, timed again at a start that finds the machine quiet")
+        records = {ids[k]: {"samples_us": [[float(f"{t * 1e6:.4g}") for t in s] for s in samples[k]], "quiet": quiet,
+                            "busy_elsewhere": round(elsewhere, 2)} for k in todo}
+        start.timed[str(path), key] = this_start | records
+        timed |= records
+        save_gemm_timings(path, key, records)
+    return pick_gemm({k: timed[ids[k]]["samples_us"] for k in kernels})
 
 def packed_weight(weight: torch.Tensor, gemm: str | None = None, rows: tuple[int, ...] = GEMM_ROWS):
     "`weight` packed for the GEMM `choose_gemm` picks for its dtype and shape (or `gemm` forces); None where `F.linear` multiplies it."

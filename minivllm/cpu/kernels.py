@@ -10,9 +10,11 @@ import fcntl
 import functools
 import hashlib
 import importlib.resources
+import json
 import logging
 import os
 import re
+import shutil
 import threading
 import subprocess
 import sys
@@ -26,10 +28,10 @@ from ..distributed import torch_version
 
 # %% auto #0
 __all__ = ['KERNEL_FLAGS', 'KERNEL_TORCH', 'KERNEL_WAIT_S', 'CPU_VECTOR_HELPERS', 'CPU_LAYER_KERNELS_SOURCE', 'CPU_KERNEL_DTYPES',
-           'BF16_PANEL', 'BF16_GEMM_SOURCE', 'cpu_kernels_enabled', 'kernel_cache', 'kernel_build_folder', 'file_lock',
-           'build_cpu_extension', 'cpp_source', 'cpp_listing', 'layer_kernels', 'use_cpu_kernels', 'layer_ops_for',
-           'check_cpu_tensors', 'add_rms_norm', 'silu_and_mul', 'rotary_embedding', 'argmax_rows', 'bf16_gemm',
-           'pack_bf16_panels', 'avx512bf16_linear']
+           'BF16_PANEL', 'BF16_GEMM_SOURCE', 'cpu_kernels_enabled', 'kernel_cache', 'kernel_build_inputs',
+           'kernel_build_folder', 'file_lock', 'remove_stale_builds', 'build_cpu_extension', 'cpp_source',
+           'cpp_listing', 'layer_kernels', 'use_cpu_kernels', 'layer_ops_for', 'check_cpu_tensors', 'add_rms_norm',
+           'silu_and_mul', 'rotary_embedding', 'argmax_rows', 'bf16_gemm', 'pack_bf16_panels', 'avx512bf16_linear']
 
 # %% ../../nbs/04a_cpu_kernels.ipynb #b755915d
 KERNEL_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast"]
@@ -60,26 +62,32 @@ def kernel_cache() -> Path:
     "Where built kernels live: `$MINIVLLM_CACHE/kernels`, else `~/.cache/minivllm/kernels`."
     return Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm")) / "kernels"
 
+def kernel_build_inputs() -> dict[str, str]:
+    "What besides the source changes a library's binary: the flags, the CPU's features, torch's version and install, the compiler and its version."
+    return dict(_build_inputs())  # subtle: a copy: a caller's change never reaches the next key
+
 @functools.cache
-def _toolchain() -> tuple[str, ...]:
-    "What besides the source and flags changes the binary: the CPU, torch's version and install, the environment, the compiler, ninja."
-    def first_line(*cmd: str) -> str:
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.partition("\n")[0]
-        except (OSError, subprocess.SubprocessError):
-            return ""
+def _build_inputs() -> dict[str, str]:
+    "`kernel_build_inputs`, asked once a process (it runs the compiler)."
+    cxx = os.environ.get("CXX", "c++")  # the compiler torch's `load` runs
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.partition("\n")[0]
+    except (OSError, subprocess.SubprocessError):
+        version = ""
     cpu = ""
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
-            cpu = next((line for line in f if line.startswith("flags")), "")
-    # subtle: -march=native code runs only on CPUs like this one, and a build against one environment's torch
-    # (its headers, its ninja) would be rebuilt by the next environment to use it: each gets its own folder
-    return (cpu, torch.__version__, str(Path(torch.__file__).parent), sys.prefix,
-            first_line(os.environ.get("CXX", "c++"), "--version"), first_line("ninja", "--version"))
+            cpu = next((line.strip() for line in f if line.startswith("flags")), "")
+    # subtle: not ninja (it drives the build, the compiler makes the binary) and not sys.prefix (a venv's torch
+    # folder names it already): a different ninja on PATH, as the dev extra installs, rebuilds nothing
+    return {"flags": " ".join(KERNEL_FLAGS), "cpu flags": cpu, "torch": torch.__version__,
+            "torch install": str(Path(torch.__file__).parent), "compiler": os.path.realpath(shutil.which(cxx) or cxx),
+            "compiler version": version}
 
 def kernel_build_folder(source: str) -> Path:
-    "The cache folder of one library's build: named by everything that changes the binary."
-    return kernel_cache() / hashlib.sha1("\n".join([source, *KERNEL_FLAGS, *_toolchain()]).encode()).hexdigest()[:12]
+    "The cache folder of one library's build: named by a hash of its source and `kernel_build_inputs`."
+    inputs = json.dumps(kernel_build_inputs(), sort_keys=True)
+    return kernel_cache() / hashlib.sha1(f"{source}\n{inputs}".encode()).hexdigest()[:12]
 
 @contextlib.contextmanager
 def file_lock(path: Path, timeout_s: float):
@@ -102,6 +110,34 @@ def file_lock(path: Path, timeout_s: float):
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 
+
+# %% ../../nbs/04a_cpu_kernels.ipynb #f47a6e88
+def remove_stale_builds(name: str, build: Path) -> list[Path]:
+    "Remove the builds of library `name` older than `build`'s, of this torch or of none installed, that no process holds; which it removed."
+    try:
+        newest = (build / f"{name}_{build.name}.so").stat().st_mtime
+    except OSError:
+        return []
+    here, removed = kernel_build_inputs()["torch install"], []
+    for so in build.parent.glob(f"*/{name}_*.so"):
+        folder = so.parent
+        # subtle: the name must match whole: "minivllm_cpu_*" also finds minivllm_cpu_layers' libraries
+        if folder == build or so.name != f"{name}_{folder.name}.so":
+            continue
+        try:
+            if so.stat().st_mtime >= newest:
+                continue
+            record = folder / "inputs.json"
+            torch_dir = json.loads(record.read_text()).get("torch install") if record.exists() else None
+            if torch_dir not in (None, here) and Path(str(torch_dir)).exists():
+                continue  # another environment's torch, still installed: in use there
+            with file_lock(folder / "minivllm.lock", 0) as held:
+                if held:  # subtle: a process building or loading it holds this lock; one that loaded it keeps its map
+                    shutil.rmtree(folder)
+                    removed.append(folder)
+        except (OSError, ValueError, AttributeError) as e:
+            logging.getLogger("minivllm").info(f"could not remove the old CPU kernel build {folder} ({e}): it stays")
+    return removed
 
 # %% ../../nbs/04a_cpu_kernels.ipynb #a1b0348a
 _BUILDING = threading.Lock()  # one build or load at a time: threads may ask for a library at once (notebook 11's streams)
@@ -140,11 +176,14 @@ def _build_once(name: str, source: str) -> bool:
                 log.warning(f"building the CPU kernels {name} (once per machine and environment, about 10 s; "
                             "MINIVLLM_CPU_KERNEL=0 skips them)")
             _write_if_changed(build / "source.cpp", source)
+            _write_if_changed(build / "inputs.json", json.dumps(kernel_build_inputs(), indent=1))
             from torch.utils.cpp_extension import load
             # subtle: `load` of a file compiles the source as it is; `load_inline` would put torch/extension.h (all of
             # torch's C++ API and pybind11) in front of it, which took 26 s of a library's 9 here
             load(f"{name}_{build.name}", [str(build / "source.cpp")], extra_cflags=KERNEL_FLAGS,
                  extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
+        if not built:
+            remove_stale_builds(name, build)
         return True
     except Exception as e:  # no compiler, no ninja, a read-only home: the torch code still works
         log.warning(f"the CPU kernels {name} could not be built, using torch's operations instead "
