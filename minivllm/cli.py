@@ -15,26 +15,25 @@ from . import __version__
 from .logger import configure_logging
 
 # %% auto #0
-__all__ = ['DTYPES', 'USER_ERRORS', 'is_local_model', 'split_model_and_prompts', 'check_tokenizer', 'OneLineErrorParser',
-           'LazyParser', 'DefaultsFormatter', 'add_node_options', 'add_engine_options', 'make_parser', 'print_streamed',
-           'hide_from_ps', 'main']
+__all__ = ['TOKENIZER_PARTS', 'DTYPES', 'VLLM_FIXED_OPTIONS', 'USER_ERRORS', 'names_model', 'split_model_and_prompts',
+           'check_tokenizer', 'tokenizer_files', 'check_own_tokenizer', 'OneLineErrorParser', 'LazyParser',
+           'DefaultsFormatter', 'add_node_options', 'add_engine_options', 'add_vllm_fixed_options',
+           'vllm_fixed_options', 'make_parser', 'print_streamed', 'hide_from_ps', 'main']
 
 # %% ../nbs/15_cli.ipynb #d81c6a1f
-def is_local_model(name: str) -> bool:
-    "Whether `name` is a checkpoint on this machine: a folder with a config.json, or a hub id already in the cache."
-    if (Path(name) / "config.json").is_file():
+def names_model(word: str) -> bool:
+    "Whether a command-line word names a model: the packaged model's name, a folder holding a config.json, or a word spelt as a hub id (`org/name`)."
+    from minivllm.model_source import DEFAULT_MODEL_NAME, is_hub_id
+    if word == DEFAULT_MODEL_NAME or is_hub_id(word):
         return True
-    if name.count("/") != 1 or name.startswith((".", "/")) or " " in name:
-        return False
     try:
-        from huggingface_hub import try_to_load_from_cache
-        return isinstance(try_to_load_from_cache(name, "config.json"), str)
-    except Exception:  # not a valid hub id
+        return (Path(word) / "config.json").is_file()
+    except OSError:  # a prompt too long to be a file's name
         return False
 
 def split_model_and_prompts(model: str | None, prompts: list[str]) -> tuple[str | None, list[str]]:
-    "`generate MODEL PROMPT...` as `vllm serve MODEL` puts it: a first argument that is a local checkpoint is the model."
-    if model is None and len(prompts) > 1 and is_local_model(prompts[0]):
+    "`generate MODEL PROMPT...` as `vllm serve MODEL` puts it: the first of several arguments is the model when it `names_model`."
+    if model is None and len(prompts) > 1 and names_model(prompts[0]):
         return prompts[0], prompts[1:]
     return model, prompts
 
@@ -50,6 +49,36 @@ def check_tokenizer(folder: Path, chat: bool) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"the model at {folder} has no chat template, so --chat cannot wrap the prompts: drop "
                              "--chat and write the prompt in the form the model was trained on, or use a chat model")
+
+TOKENIZER_PARTS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "chat_template.jinja")  # the files a tokenizer is made of, those a checkpoint has
+
+def tokenizer_files(name: str) -> dict[str, bytes] | None:
+    "The `TOKENIZER_PARTS` of `name` (a folder, the packaged model's name, or a hub id in the local cache) by file name; None if none of those is on this machine."
+    import os
+    from minivllm.model_source import DEFAULT_MODEL, DEFAULT_MODEL_NAME, is_hub_id
+    folder = DEFAULT_MODEL if name == DEFAULT_MODEL_NAME else Path(name).expanduser()
+    if folder.is_dir():
+        return {part: (folder / part).read_bytes() for part in TOKENIZER_PARTS if (folder / part).is_file()}
+    if not is_hub_id(name):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+    # subtle: huggingface_hub reads HF_HUB_CACHE when it is imported; read it now, as resolve_model does
+    cached = {part: try_to_load_from_cache(name, part, cache_dir=os.environ.get("HF_HUB_CACHE")) for part in TOKENIZER_PARTS}
+    return {part: Path(path).read_bytes() for part, path in cached.items() if isinstance(path, str)} or None
+
+def check_own_tokenizer(tokenizer: str | None, model: str | None, folder: Path) -> None:
+    "Raise `ValueError` unless `--tokenizer` is absent or the checkpoint's own (the same name, or the same files): minivllm reads the tokenizer in the checkpoint folder `folder`, and no other."
+    if tokenizer is None or tokenizer == model:
+        return
+    theirs = tokenizer_files(tokenizer)
+    if theirs is None:
+        raise ValueError(f"--tokenizer {tokenizer} is neither a folder nor the packaged model nor a hub id in the local "
+                         f"cache, and minivllm reads only the model's own tokenizer (in {folder}): drop --tokenizer")
+    if theirs != tokenizer_files(str(folder)):
+        raise ValueError(f"--tokenizer {tokenizer} is not the model's own tokenizer, the only one minivllm reads (in "
+                         f"{folder}): drop --tokenizer, or serve a copy of the checkpoint folder with that tokenizer's "
+                         "files in it")
 
 # %% ../nbs/15_cli.ipynb #5dd80326
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -121,6 +150,66 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "(default: the model's max_position_embeddings, at most 4096)")
     p.add_argument("--num-threads", type=int, default=None, metavar="N",
                    help="CPU: intra-op threads per rank (default: chosen at every step from the load on the cores)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="where the ranks run; auto: a GPU for each rank when this machine has enough, else the CPU "
+                        "(default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=None, metavar="N",
+                   help="tokens per KV-cache block (default: 16, EngineArgs.kvcache_block_size)")
+
+def _given_engine_options(a: argparse.Namespace) -> dict:
+    "--device and --block-size as the engine's arguments, each only when given (else EngineArgs' default)."
+    given = {"device": None if a.device == "auto" else a.device, "kvcache_block_size": a.block_size}
+    return {name: value for name, value in given.items() if value is not None}
+
+# %% ../nbs/15_cli.ipynb #d6701e53
+# vLLM's serve options for what minivllm always does: (option names, add_argument's keywords, the values that mean
+# what minivllm does (None: any value), why the option changes nothing here)
+VLLM_FIXED_OPTIONS = [
+    (("--enable-chunked-prefill",), dict(action=argparse.BooleanOptionalAction), {True},
+     "minivllm always prefills a long prompt in chunks of --max-num-batched-tokens"),
+    (("--enable-prefix-caching",), dict(action=argparse.BooleanOptionalAction), {True},
+     "minivllm always reuses the KV blocks of prompts' shared beginnings, a block only when its tokens match"),
+    (("--trust-remote-code",), dict(action="store_true"), {True},
+     "minivllm never runs a checkpoint's own code: it builds Qwen3, Qwen2 and Llama itself"),
+    (("--disable-log-requests",), dict(action="store_true"), {True},
+     "minivllm never logs a request's prompt or parameters"),
+    (("--disable-log-stats",), dict(action="store_true"), {True},
+     "minivllm logs no periodic statistics; GET /metrics serves them"),
+    (("--disable-frontend-multiprocessing",), dict(action="store_true"), {True},
+     "minivllm's engine always runs in a process of its own, beside the API server"),
+    (("--swap-space",), dict(type=float, metavar="GIB"), None,
+     "minivllm preempts a sequence by computing its KV cache again later, never by swapping it to CPU memory"),
+    (("--max-logprobs",), dict(type=int, metavar="N"), {20},
+     "minivllm's server shows at most 20 log-probabilities per token, vLLM's default, and 5 in a completion's "
+     "logprobs, as OpenAI allows"),
+    (("--pipeline-parallel-size", "-pp"), dict(type=int, metavar="N"), {1},
+     "minivllm splits a model over ranks by tensor parallelism only (-tp)"),
+    (("--kv-cache-dtype",), dict(metavar="DTYPE"), {"auto"}, "minivllm's KV cache holds the model's dtype"),
+    (("--load-format",), dict(metavar="FORMAT"), {"auto", "safetensors"}, "minivllm reads *.safetensors weights"),
+]
+
+def _dest(names: tuple[str, ...]) -> str: return names[0].lstrip("-").replace("-", "_")
+
+def add_vllm_fixed_options(p: argparse.ArgumentParser) -> None:
+    "Add `VLLM_FIXED_OPTIONS` to `p`, each defaulting to None (not given), its help saying what it takes."
+    for names, kwargs, accepted, why in VLLM_FIXED_OPTIONS:
+        takes_value = "action" not in kwargs  # not a switch
+        values = " at " + " or ".join(sorted(map(str, accepted))) if takes_value and accepted is not None else ""
+        p.add_argument(*names, dest=_dest(names), default=None, **kwargs,
+                       help=f"vLLM's; accepted{values} and changes nothing: {why.replace('%', '%%')}")
+
+def vllm_fixed_options(a: argparse.Namespace) -> list[str]:
+    "The `VLLM_FIXED_OPTIONS` given in `a`, each as `--option [value] (why)`; `ValueError` for one at a value that minivllm cannot honour."
+    given = []
+    for names, _, accepted, why in VLLM_FIXED_OPTIONS:
+        value = getattr(a, _dest(names))
+        if value is None:
+            continue
+        shown = names[0] if value is True else f"--no-{names[0][2:]}" if value is False else f"{names[0]} {value}"
+        if accepted is not None and value not in accepted:
+            raise ValueError(f"{shown} is not available: {why}; drop {shown.split()[0]}")
+        given.append(f"{shown} ({why})")
+    return given
 
 # %% ../nbs/15_cli.ipynb #efc3b065
 def _add_generate(sub) -> None:
@@ -129,8 +218,9 @@ def _add_generate(sub) -> None:
                        description="Complete each prompt and print it with its completion: as it is generated on a "
                                    "terminal, at the end into a pipe or a file.", epilog=_SAMPLING_NOTE)
     g.add_argument("prompts", nargs="+", metavar="[MODEL] PROMPT",
-                   help="one or more prompts, each one argument (quote prompts with spaces); a first argument that is "
-                        "a checkpoint folder, or a hub id already downloaded, is the model (as --model)")
+                   help="one or more prompts, each one argument (quote prompts with spaces); the first of several is "
+                        "the model (as --model) when it names one: minivllm-default, a checkpoint folder, or a hub id "
+                        "org/name")
     g.add_argument("--model", default=None,
                    help="a Hugging Face checkpoint folder, or a hub id such as Qwen/Qwen3-0.6B, taken from the "
                         "local Hugging Face cache or downloaded (default: the packaged model)")
@@ -192,12 +282,9 @@ def _add_serve(sub) -> None:
     s.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                    help="the chat template for /v1/chat/completions: a Jinja file, or the template itself (default: "
                         "the tokenizer's)")
-    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV blocks of prompts' shared beginnings; minivllm always does (notebook 08), so "
-                        "--no-enable-prefix-caching is refused (default: on)")
-    s.add_argument("--trust-remote-code", action="store_true",
-                   help="accepted for vLLM's scripts: minivllm never runs a checkpoint's own code, it builds Qwen3, "
-                        "Qwen2 and Llama itself (default: off)")
+    s.add_argument("--tokenizer", default=None, metavar="TOKENIZER",
+                   help="accepted when it is the model's own tokenizer (the same name, or a folder or hub id with the "
+                        "same files), the only one minivllm reads (default: the model's)")
     s.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="send each stream's new text every N tokens (its first token and its end at once): fewer, "
                         "larger events cost the server less per token, as vLLM's option (default: %(default)s)")
@@ -225,8 +312,11 @@ def _add_serve(sub) -> None:
     s.add_argument("--max-stop-string-chars", type=int, default=None, metavar="N",
                    help="the most characters one stop string may have; a longer one gets a 400 (default: 1024, "
                         "minivllm.serve.async_llm.MAX_STOP_STRING_CHARS)")
-    s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
-                   help="uvicorn's log level; info logs every request (default: %(default)s)")
+    s.add_argument("--uvicorn-log-level", "--log-level", dest="log_level", default="warning", metavar="LEVEL",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level: critical, error, warning, info (logs every request), debug or trace "
+                        "(default: %(default)s)")
+    add_vllm_fixed_options(s)
     add_node_options(s)
 
 def _model_argument(a: argparse.Namespace) -> str | None:
@@ -348,7 +438,7 @@ def _generate_command(a: argparse.Namespace) -> int:
         engine_logger.setLevel(logging.WARNING)
     try:
         with LLM(folder, tensor_parallel_size=a.tp, dtype=_dtype(a), max_model_len=a.max_model_len,
-                 num_threads=a.num_threads, **_node_kwargs(a)) as llm:
+                 num_threads=a.num_threads, **_given_engine_options(a), **_node_kwargs(a)) as llm:
             prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in a.prompts] if a.chat else a.prompts
             if sys.stdout.isatty():
                 print_streamed(llm.stream(list(prompts), params), heads)
@@ -420,9 +510,8 @@ def _serve_command(a: argparse.Namespace) -> int:
     model = _model_argument(a)
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be from 0 to 65535, got {a.port}")
-    if not a.enable_prefix_caching:
-        raise ValueError("minivllm always caches prompts' shared beginnings (a block is reused only when its tokens "
-                         "match): drop --no-enable-prefix-caching")
+    if (unchanged := vllm_fixed_options(a)):  # refuses a value minivllm cannot honour
+        logging.getLogger("minivllm").info("vLLM's options that change nothing here: " + "; ".join(unchanged))
     template = a.chat_template
     if template is not None and "{" not in template:  # a file's path (a template always holds a Jinja tag)
         template = Path(template).read_text()
@@ -431,6 +520,7 @@ def _serve_command(a: argparse.Namespace) -> int:
     from minivllm.serve.server import serve
     folder = model_folder(model)
     Config.from_pretrained(folder, tensor_parallel_size=a.tp, dtype=_dtype(a))  # no weights needed: before anything binds
+    check_own_tokenizer(a.tokenizer, model, folder)
     # the server's options and AsyncLLM's, each passed only when given (else the default of whoever takes it)
     given = {"max_request_bytes": a.max_request_bytes, "max_prompts_per_request": a.max_prompts_per_request,
              "max_queued_tokens": a.max_queued_tokens, "header_timeout_s": a.header_timeout,
@@ -440,7 +530,8 @@ def _serve_command(a: argparse.Namespace) -> int:
           dtype=_dtype(a), max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
           max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=a.gpu_memory_utilization,
           enforce_eager=a.enforce_eager, seed=a.seed, num_threads=a.num_threads, stream_interval=a.stream_interval,
-          chat_template=template, **_node_kwargs(a), **{name: value for name, value in given.items() if value is not None})
+          chat_template=template, **_given_engine_options(a), **_node_kwargs(a),
+          **{name: value for name, value in given.items() if value is not None})
     return 0
 
 def _node_kwargs(a: argparse.Namespace) -> dict:
@@ -451,12 +542,12 @@ def _worker_command(a: argparse.Namespace) -> int:
     "`minivllm worker`: serve this machine's ranks of an engine started with --nnodes, until it closes."
     if not 1 <= a.master_port <= 65535:
         raise ValueError(f"--master-port must be from 1 to 65535 (the engine prints it), got {a.master_port}")
-    from minivllm.model_source import resolve_model
+    from minivllm.model_source import model_folder
     from minivllm.engine.args import EngineArgs
     from minivllm.engine.model_runner import ModelRunner
     from minivllm.cluster.multinode import run_node
     from minivllm.cluster.wire import secret_from_env
-    model = str(resolve_model(a.model)) if a.model is not None else None
+    model = str(model_folder(a.model)) if a.model is not None else None
     log = lambda line: print(f"minivllm: {line}", file=sys.stderr, flush=True)
     return run_node(a.master_addr, a.master_port, a.node_rank, ModelRunner, args_type=EngineArgs, secret=secret_from_env(),
                     nnodes=a.nnodes, node_addr=a.node_addr, model=model, timeout_s=a.timeout, log=log)

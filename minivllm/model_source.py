@@ -11,7 +11,8 @@ import re
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['TOKENIZER_FILES', 'HUB_FILE_PATTERNS', 'DEFAULT_MODEL', 'resolve_model', 'model_folder', 'has_tokenizer']
+__all__ = ['TOKENIZER_FILES', 'HUB_FILE_PATTERNS', 'DEFAULT_MODEL', 'DEFAULT_MODEL_NAME', 'is_hub_id', 'resolve_model',
+           'model_folder', 'has_tokenizer']
 
 # %% ../nbs/00b_model_source.ipynb #b56fdf21
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # any one of them: a tokenizer
@@ -29,13 +30,17 @@ def _first_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
+def is_hub_id(name: str) -> bool:
+    "Whether `name` is spelt as a hub id, `org/name` (whether the hub has it is another question). Example: Qwen/Qwen3-0.6B -> True"
+    return bool(_HUB_ID.fullmatch(name)) and "--" not in name and ".." not in name
+
 def resolve_model(model: str | Path) -> Path:
     "The checkpoint folder for `model`: an existing path as is, or a hub id `org/name` from the local cache or the hub."
     path = Path(model).expanduser()
     if path.exists():
         return path
     repo_id = str(model)
-    if not _HUB_ID.fullmatch(repo_id) or "--" in repo_id or ".." in repo_id:
+    if not is_hub_id(repo_id):
         raise FileNotFoundError(f"checkpoint folder {path} does not exist: pass the folder that holds config.json "
                                 "and the *.safetensors files of a Hugging Face checkpoint, or a hub id such as "
                                 "Qwen/Qwen3-0.6B")
@@ -65,10 +70,11 @@ def resolve_model(model: str | Path) -> Path:
 
 # %% ../nbs/00b_model_source.ipynb #f82b11ed
 DEFAULT_MODEL = Path(str(importlib.resources.files("minivllm"))) / "default_model"  # the small model this package ships
+DEFAULT_MODEL_NAME = "minivllm-default"  # its name: the server's name for it, and a model name every entry point takes
 
 def model_folder(model: str | Path | None) -> Path:
-    "The checkpoint folder of `model` (a folder or a hub id, `resolve_model`), or the packaged model when it is None."
-    if model is not None:
+    "The checkpoint folder of `model` (a folder or a hub id, `resolve_model`), or the packaged model when it is None or `DEFAULT_MODEL_NAME`."
+    if model is not None and (isinstance(model, Path) or model != DEFAULT_MODEL_NAME):
         return resolve_model(model)
     if not DEFAULT_MODEL.exists():
         raise FileNotFoundError(f"the package's default model is missing from {DEFAULT_MODEL}: reinstall minivllm, "

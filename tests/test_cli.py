@@ -1,6 +1,7 @@
 """The `minivllm` command line, in this process (`main([...])`) and as a real `python -m minivllm` process: help with
 defaults and at once (no torch), vLLM's names (`serve MODEL -tp 2`), one-line errors with exit status 2, Ctrl-C,
 --quiet, the text streamed on a terminal."""
+import json
 import logging
 import os
 import pty
@@ -23,8 +24,8 @@ from minivllm.bench.workload import ServerProcess, default_sigint
 from minivllm.testing import gone, make_tiny_checkpoint, rank_processes, wait_until
 
 OPTIONS = ("--model", "--tensor-parallel-size", "--max-tokens", "--temperature", "--top-k", "--top-p", "--seed",
-           "--ignore-eos", "--dtype", "--max-model-len", "--num-threads", "--chat", "--quiet", "--nnodes", "--master-addr",
-           "--master-port")
+           "--ignore-eos", "--dtype", "--max-model-len", "--num-threads", "--device", "--block-size", "--chat", "--quiet",
+           "--nnodes", "--master-addr", "--master-port")
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +62,11 @@ def bad_inputs(tmp_path_factory):
     weights = corrupt / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     tiny = make_tiny_checkpoint(root / "tiny")
+    plain = root / "plain"  # the packaged model's config and tokenizer, without its chat template
+    shutil.copytree(DEFAULT_MODEL, plain, ignore=shutil.ignore_patterns("*.safetensors"))
+    settings = json.loads((plain / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(settings))
     taken = socket.create_server(("127.0.0.1", 0))  # a port in use, held until the module's tests are done
     yield {
         "serve: missing folder": (["serve", "--model", str(root / "nowhere")], "does not exist"),
@@ -77,7 +83,7 @@ def bad_inputs(tmp_path_factory):
         "tp 3 for 4 heads": (["generate", "hi", "--tp", "3"], "tensor_parallel_size=3 does not divide"),
         "negative temperature": (["generate", "hi", "--temperature", "-1"], "temperature must be"),
         "corrupt safetensors": (["generate", "hi", "--model", str(corrupt), "--quiet"], "is corrupt or incomplete"),
-        "chat without template": (["generate", "hi", "--chat"], "has no chat template"),
+        "chat without template": (["generate", "hi", "--chat", "--model", str(plain)], "has no chat template"),
         "no tokenizer": (["generate", "hi", "--model", str(tiny)], "has no tokenizer"),
         "usage error": (["generate", "hi", "--tp", "two"], "invalid int value"),
         "serve: unknown option": (["serve", "--chat-tmplate"], "unrecognized arguments: --chat-tmplate (did you mean "
@@ -347,11 +353,11 @@ def test_bench_help_and_usage_errors_import_no_torch(hub_env):
 
 
 def test_generate_takes_a_local_model_as_its_first_argument(capsys, tmp_path, hub_env):
-    "`minivllm generate MODEL PROMPT`: a checkpoint folder first is the model; anything else stays a prompt."
+    "`minivllm generate MODEL PROMPT`: a checkpoint folder first is the model; a word that names none stays a prompt."
     from minivllm.cli import split_model_and_prompts
     model = str(DEFAULT_MODEL)
     assert split_model_and_prompts(None, [model, "ROMEO."]) == (model, ["ROMEO."])
-    assert split_model_and_prompts(None, ["ROMEO/JULIET", "hi"]) == (None, ["ROMEO/JULIET", "hi"])  # not a checkpoint
+    assert split_model_and_prompts(None, ["ROMEO and JULIET", "hi"]) == (None, ["ROMEO and JULIET", "hi"])
     assert split_model_and_prompts(model, [model, "hi"]) == (model, [model, "hi"])  # --model given: all prompts
     assert split_model_and_prompts(None, [model]) == (None, [model])  # one argument is the prompt
     assert main(["generate", model, "ROMEO.", "--max-tokens", "4", "--temperature", "0", "--quiet"]) == 0
