@@ -19,10 +19,18 @@ if TYPE_CHECKING:  # for the annotations only: a sequence is read here, never ma
     from minivllm.engine.sequence import Sequence
 
 # %% auto #0
-__all__ = ['CompletionOutput', 'RequestOutput', 'load_tokenizer', 'IncrementalDetokenizer', 'StopStrings', 'CompletionText',
-           'CompletionDelta', 'sequence_delta', 'Request', 'encode_prompt', 'check_params_for_tokenizer']
+__all__ = ['Logprob', 'CompletionOutput', 'RequestOutput', 'vllm_logprobs', 'load_tokenizer', 'IncrementalDetokenizer',
+           'StopStrings', 'CompletionText', 'CompletionDelta', 'sequence_delta', 'Request', 'encode_prompt',
+           'check_params_for_tokenizer']
 
 # %% ../nbs/12a_outputs.ipynb #23843fa7
+@dataclass
+class Logprob:
+    "One token's log-probability at one position, as vLLM's: its rank among the vocabulary (1: the most likely) and its text."
+    logprob: float
+    rank: int | None = None  # None: a sampled or prompt token below the k most likely, whose rank is not measured
+    decoded_token: str | None = None  # the token alone, decoded (None when the model has no tokenizer)
+
 @dataclass
 class CompletionOutput:
     "One completion of a prompt (`n` of them): whole, or in a streamed delta only what is new."
@@ -30,7 +38,9 @@ class CompletionOutput:
     text: str | None  # decoded, cut before a stop string (None when the model has no tokenizer)
     token_ids: list[int]
     finish_reason: str | None  # None while it runs; "stop" (EOS, a stop token or string), "length", "abort"
-    logprobs: list[dict[int, float]] | None = None  # per token, when asked: {token id: log-probability}
+    logprobs: list[dict[int, Logprob]] | None = None  # per token, when asked: the sampled token's and the k most likely
+    cumulative_logprob: float | None = None  # the sum of the sampled tokens' log-probabilities so far, when asked
+    stop_reason: int | str | None = None  # the stop string or stop token that ended it (None: EOS, length, abort)
 
 @dataclass
 class RequestOutput:
@@ -42,9 +52,9 @@ class RequestOutput:
     finished: bool  # every completion of the prompt has finished
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     time: float = 0.0  # time.perf_counter() when the engine produced this output
-    # per prompt token, when prompt_logprobs are asked: {token id: log-probability} given the tokens before it
+    # per prompt token, when prompt_logprobs are asked: {token id: Logprob} given the tokens before it
     # (None for the first); in a stream, with the first delta
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     # the first completion's fields, for the usual n = 1
     @property
@@ -58,6 +68,23 @@ class RequestOutput:
         shown = self.text if self.text is not None else self.token_ids
         more = f", {len(self.outputs)} completions" if len(self.outputs) > 1 else ""
         return f"RequestOutput({shown!r}, finish_reason={self.finish_reason!r}, {len(self.token_ids)} tokens{more})"
+
+# %% ../nbs/12a_outputs.ipynb #025b7ade
+def vllm_logprobs(records: list[dict[int, float] | None], token_ids: list[int], k: int, tokenizer
+                  ) -> list[dict[int, Logprob] | None]:
+    "The engine's `{token id: log-probability}` per position, with `token_ids[i]` the token at position i, as vLLM's `{token id: Logprob}`."
+    out = []
+    for record, token in zip(records, token_ids):
+        if record is None:  # the first prompt token: nothing before it
+            out.append(None)
+            continue
+        ranked = sorted(record.items(), key=itemgetter(1), reverse=True)  # stable: a tie keeps the engine's order
+        # subtle: of k + 1 entries, the last is the position's own token below the k most likely: its rank is unknown
+        out.append({t: Logprob(lp, r + 1 if r < k or t != token else None,
+                               tokenizer.decode([t]) if tokenizer is not None else None)
+                    for r, (t, lp) in enumerate(ranked)})
+    return out
+
 
 # %% ../nbs/12a_outputs.ipynb #dee4a972
 def load_tokenizer(path: Path):
@@ -148,6 +175,7 @@ class CompletionText:
         self.hold = max(self.stop.longest, 1) - 1  # characters that might begin a stop string
         self.checked = 0  # the stop strings that end in text[:checked] have been looked for
         self.stopped = False  # a stop string was found
+        self.stop_string: str | None = None  # the one found (a completion's stop_reason)
 
     def add(self, token_ids: list[int], finished: bool = False, look: bool = True) -> bool:
         "Add new tokens (and, `finished`, flush the rest); True once a stop string has ended the text (sought if `look`)."
@@ -160,6 +188,7 @@ class CompletionText:
             found, self.checked = self.stop.first(self.text, start, self.checked), len(self.text)
             if found is not None:
                 at, length = found
+                self.stop_string = self.text[at:at + length]
                 self.text, self.stopped = self.text[:at + length * self.include_stop], True
         return self.stopped
 
@@ -177,6 +206,7 @@ class CompletionDelta(NamedTuple):
     finish_reason: str | None = None  # None while it runs
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     prompt_logprobs: list[dict[int, float] | None] | None = None  # the prompt's, when asked: with the first tokens
+    stop_reason: int | None = None  # the stop token that ended it (the engine's `Sequence.stop_reason`)
 
 def sequence_delta(seq: Sequence, request_id: str, index: int, sent: int) -> CompletionDelta:
     "What sequence `seq` (completion `index` of request `request_id`) holds past its first `sent` completion tokens, and its end."
@@ -185,7 +215,7 @@ def sequence_delta(seq: Sequence, request_id: str, index: int, sent: int) -> Com
     record = seq.prompt_logprobs  # subtle: whole only in the sample that computed it (notebook 09): the others send none
     prompt_logprobs = record if sent == 0 and new and record is not None and len(record) == seq.num_prompt_tokens else None
     return CompletionDelta(request_id, index, new, logprobs, seq.finish_reason if seq.is_finished else None,
-                           seq.num_cached_tokens, prompt_logprobs)
+                           seq.num_cached_tokens, prompt_logprobs, seq.stop_reason if seq.is_finished else None)
 
 # %% ../nbs/12a_outputs.ipynb #fc4a034f
 class Request:
@@ -196,10 +226,12 @@ class Request:
         self.params, self.tokenizer, self.stream = params, tokenizer, stream
         n = params.n
         self.token_ids: list[list[int]] = [[] for _ in range(n)]  # per completion: its tokens so far
-        self.logprobs = [[] if params.logprobs is not None else None for _ in range(n)]
+        self.logprobs = [[] if params.logprobs is not None else None for _ in range(n)]  # vLLM's, per token
+        self.cumulative_logprobs = [0.0 if params.logprobs is not None else None for _ in range(n)]
         self.finish_reasons: list[str | None] = [None] * n
+        self.stop_reasons: list[int | str | None] = [None] * n
         self.num_cached_tokens = 0  # the first completion's prompt tokens found in the prefix cache
-        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         # subtle: text is followed token by token only when a stream or a stop string needs it; generate() of
         # plain requests decodes each completion once, at the end (the pieces add up to the same text)
         follow = tokenizer is not None and (stream or bool(params.stop))
@@ -221,9 +253,11 @@ class Request:
             return False
         self.token_ids[i] += delta.token_ids
         if delta.logprobs is not None and self.logprobs[i] is not None:
-            self.logprobs[i] += delta.logprobs
+            self.logprobs[i] += vllm_logprobs(delta.logprobs, delta.token_ids, self.params.logprobs, self.tokenizer)
+            self.cumulative_logprobs[i] += sum(lps[t] for t, lps in zip(delta.token_ids, delta.logprobs))
         if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = list(delta.prompt_logprobs)
+            self.prompt_logprobs = vllm_logprobs(delta.prompt_logprobs, self.prompt_token_ids,
+                                                 self.params.prompt_logprobs, self.tokenizer)
         if i == 0:
             self.num_cached_tokens = delta.num_cached_tokens
         text = self.texts[i]
@@ -231,7 +265,9 @@ class Request:
         stopped = text is not None and text.add(delta.token_ids, finished=reason is not None,
                                                 look=len(self.token_ids[i]) >= self.params.min_tokens)
         # subtle: a stop string in a completion's last tokens makes its end "stop", not "length"
-        self.finish_reasons[i] = "stop" if stopped and reason != "abort" else reason
+        by_string = stopped and reason != "abort"
+        self.finish_reasons[i] = "stop" if by_string else reason
+        self.stop_reasons[i] = text.stop_string if by_string else delta.stop_reason
         return stopped and reason is None
 
     def _completion(self, i: int, first_token: int, first_char: int) -> CompletionOutput:
@@ -244,7 +280,8 @@ class Request:
         else:
             shown = None
         logprobs = self.logprobs[i][first_token:] if self.logprobs[i] is not None else None
-        return CompletionOutput(i, shown, self.token_ids[i][first_token:], reason, logprobs)
+        return CompletionOutput(i, shown, self.token_ids[i][first_token:], reason, logprobs,
+                                self.cumulative_logprobs[i], self.stop_reasons[i])
 
     def output(self) -> RequestOutput:
         "Everything so far: every completion whole."

@@ -110,7 +110,8 @@ def test_the_packaged_model_on_two_hosts():
 
 
 def top_logprobs(llm, prompts, params) -> list[dict[int, float]]:
-    return [o.outputs[0].logprobs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    return [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}
+            for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 FLOAT32 = dict(atol=1e-3, rtol=1e-3)  # TP changes the order of the sums

@@ -51,7 +51,7 @@ def test_logprobs_are_the_models_log_softmax(tiny, hf, tp):
         for j, (token, lps) in enumerate(zip(out.token_ids, out.outputs[0].logprobs)):
             row = ref[len(prompt) - 1 + j]
             assert set(lps) == set(row.topk(3).indices.tolist()) | {token}
-            got = torch.tensor([lps[t] for t in sorted(lps)])
+            got = torch.tensor([lps[t].logprob for t in sorted(lps)])
             torch.testing.assert_close(got, row[sorted(lps)], rtol=1e-4, atol=1e-4)
 
 

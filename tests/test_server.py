@@ -123,7 +123,10 @@ def test_prompt_logprobs_in_vllms_layout_equal_the_offline_engines(tp2):
     assert whole[0] is None and len(whole) == len(ids)
     for t, served, d in zip(ids[1:], whole[1:], offline.prompt_logprobs[1:]):
         assert set(served) == {str(u) for u in d} and str(t) in served
-        torch.testing.assert_close([served[str(u)]["logprob"] for u in d], list(d.values()), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close([served[str(u)]["logprob"] for u in d], [lp.logprob for lp in d.values()],
+                                   atol=1e-4, rtol=1e-4)
+        assert all((served[str(u)]["rank"], served[str(u)]["decoded_token"]) == (lp.rank, lp.decoded_token)
+                   for u, lp in d.items())  # the offline Logprobs' ranks and texts
         ranks = sorted(r["rank"] for u, r in served.items() if r["rank"] is not None)
         assert ranks == [1, 2] and (served[str(t)]["rank"] is not None or len(served) == 3)
     chat = c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2, temperature=0,
@@ -142,11 +145,11 @@ def test_tokenize_detokenize_and_version(tp2):
         assert http.post("/detokenize", json={"model": "tiny", "tokens": tokens["tokens"]}).json() == {"prompt": text}
         chat = http.post("/tokenize", json={"messages": HELLO}).json()  # the model is optional, as in vLLM
         assert chat["count"] > len(HELLO[0]["content"].split())  # the template's tokens too
-        for path, body, message in (("/tokenize", {"prompt": "a", "messages": HELLO}, "not both"),
-                                    ("/detokenize", {"tokens": [-1]}, "out of range for a vocabulary"),
-                                    ("/tokenize", {"model": "other", "prompt": "a"}, "is not served here")):
+        for path, body, status, message in (("/tokenize", {"prompt": "a", "messages": HELLO}, 400, "not both"),
+                                            ("/detokenize", {"tokens": [-1]}, 400, "out of range for a vocabulary"),
+                                            ("/tokenize", {"model": "other", "prompt": "a"}, 404, "is not served here")):
             r = http.post(path, json=body)
-            assert r.status_code == 400 and message in r.json()["error"]["message"]
+            assert r.status_code == status and message in r.json()["error"]["message"], r.text
         from minivllm import __version__
         assert httpx.get(tp2.url + "/version").json() == {"version": __version__}
     assert httpx.post(tp2.url + "/tokenize", json={"prompt": "a"}).status_code == 401  # the key guards it
@@ -244,7 +247,6 @@ def test_clients_that_drop_mid_stream_leave_no_blocks(tp2):
     ({"model": "tiny", "prompt": "Hi", "top_p": 0}, 400, "top_p must be in (0, 1]"),
     ({"model": "tiny", "prompt": "Hi", "logprobs": 9}, 400, "logprobs must be from 0 to 5"),
     ({"model": "tiny", "prompt": "Hi", "prompt_logprobs": 21}, 400, "prompt_logprobs must be None or an integer from 0 to 20"),
-    ({"model": "gpt-5", "prompt": "Hi"}, 400, "is not served here"),
     ({"model": "tiny", "prompt": "Hi", "n": 129}, 400, "n must be at most 128"),
     ({"model": "tiny", "prompt": "Hi", "n": 10000}, 400, "n must be at most 128"),
     ({"model": "tiny", "prompt": "x" * 1_000_000}, 400, "max_model_len is 256 tokens"),
@@ -262,6 +264,50 @@ def test_bad_completion_requests_get_openai_errors_and_the_server_goes_on(tp2, b
     error = r.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error"
     assert client(tp2).completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_an_unknown_model_is_a_404_as_in_vllm(tp2):
+    "vLLM answers a request naming a model it does not serve with a 404 (NotFoundError); the server goes on."
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for path, body in (("/v1/completions", {"model": "gpt-5", "prompt": "Hi"}),
+                       ("/v1/chat/completions", {"model": "gpt-5", "messages": HELLO})):
+        r = httpx.post(tp2.url + path, json=body, headers=headers, timeout=60)
+        assert r.status_code == 404, r.text
+        error = r.json()["error"]
+        assert "is not served here" in error["message"] and (error["type"], error["code"], error["param"]) == (
+            "NotFoundError", 404, "model")
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        client(tp2).completions.create(model="gpt-5", prompt="Hi", max_tokens=2)
+    assert client(tp2).completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+VLLM_METRICS = {"vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+                "vllm:kv_cache_usage_perc": "gauge", "vllm:gpu_cache_usage_perc": "gauge",
+                "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+                "vllm:time_per_output_token_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram",
+                "vllm:prompt_tokens_total": "counter", "vllm:generation_tokens_total": "counter",
+                "vllm:request_success_total": "counter", "vllm:num_preemptions_total": "counter"}
+
+
+def test_metrics_under_vllms_names_and_types(tp2):
+    "A dashboard made for vLLM reads /metrics: each of vLLM's names, with its type and the model_name label."
+    from prometheus_client.parser import text_string_to_metric_families
+    list(client(tp2).completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True}, stream=True))
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(tp2.url + "/metrics", timeout=60).text)}
+    for name, kind in VLLM_METRICS.items():
+        family = families.get(name.removesuffix("_total") if kind == "counter" else name)  # a counter's family drops _total
+        assert family is not None and family.type == kind, (name, family)
+        assert family.samples and all(s.labels.get("model_name") == "tiny" for s in family.samples), (name, family.samples)
+    value = lambda family, suffix="", **labels: next(s.value for s in families[family].samples if s.name == family + suffix
+                                                     and s.labels == {"model_name": "tiny"} | labels)
+    assert 0 <= value("vllm:kv_cache_usage_perc") <= 1
+    assert value("vllm:generation_tokens", "_total") == families["minivllm_generation_tokens"].samples[0].value
+    assert value("vllm:request_success", "_total", finished_reason="length") >= 1
+    assert value("vllm:time_to_first_token_seconds", "_count") >= 1
+    # each gap between two streamed tokens (tokens that reach the server together share one)
+    assert value("vllm:inter_token_latency_seconds", "_count") >= 1
+    assert value("vllm:inter_token_latency_seconds", "_sum") <= value("vllm:e2e_request_latency_seconds", "_sum")
 
 
 def test_keys_json_and_chat_errors(tp2):
@@ -355,7 +401,8 @@ def test_unknown_paths_and_methods_get_openai_errors(tp2):
     assert r.status_code == 405 and r.json()["error"]["message"] == "GET is not allowed on /v1/completions: use POST"
 
 
-def test_the_packaged_model_serves_completions_and_refuses_chat_clearly():
+def test_the_packaged_model_serves_completions_and_chats_as_a_scene():
+    "Completions streamed and whole agree; a chat is the completion of its template's scene (Hamlet asks, Horatio answers)."
     with ServerProcess() as server:
         c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
         name = c.models.list().data[0].id
@@ -363,11 +410,21 @@ def test_the_packaged_model_serves_completions_and_refuses_chat_clearly():
         streamed = "".join(ch.choices[0].text for ch in
                            c.completions.create(model=name, prompt="ROMEO.\n", max_tokens=30, temperature=0, stream=True))
         assert streamed == whole.choices[0].text and whole.choices[0].text.strip()
-        with pytest.raises(openai.BadRequestError, match="model 'minivllm-default' has no chat template: use "
-                           "/v1/completions") as refused:
-            c.chat.completions.create(model=name, messages=HELLO)
-        assert "/tmp" not in str(refused.value) and "generate()" not in str(refused.value)  # HTTP's words, no paths
+        ask = [{"role": "user", "content": "What news, my lord?"}]
+        chat = c.chat.completions.create(model=name, messages=ask, max_tokens=24, temperature=0, stop=["\n\n"])
+        scene = c.completions.create(model=name, prompt="HAMLET.\nWhat news, my lord?\n\nHORATIO.\n", max_tokens=24,
+                                     temperature=0, stop=["\n\n"])
+        assert chat.choices[0].message.content == scene.choices[0].text and scene.choices[0].text.strip()
         assert c.completions.create(model=name, prompt="JULIET.\n", max_tokens=3).usage.completion_tokens >= 1
+
+
+def test_a_model_without_a_chat_template_refuses_chat_in_https_words(no_template):
+    with ServerProcess("--model", str(no_template), "--max-model-len", "256", "--served-model-name", "tiny") as server:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        with pytest.raises(openai.BadRequestError, match="model 'tiny' has no chat template: use "
+                           "/v1/completions") as refused:
+            c.chat.completions.create(model="tiny", messages=HELLO)
+        assert "/tmp" not in str(refused.value) and "generate()" not in str(refused.value)  # HTTP's words, no paths
 
 
 def engine_processes(server_pid: int) -> tuple[int, list[int]]:

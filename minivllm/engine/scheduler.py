@@ -315,13 +315,16 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
 
 @patch
 def _finish_reason(self: Scheduler, seq: Sequence) -> str | None:
-    "'stop' after a stop token with at least min_tokens tokens before it, 'length' at max_tokens or max_model_len, else None."
+    "'stop' after EOS or a stop token (kept in `seq.stop_reason`) with at least min_tokens tokens before it, 'length' at max_tokens or max_model_len, else None."
     params, token, generated = seq.sampling_params, seq.last_token, seq.num_completion_tokens
     # subtle: the sampler never picks EOS or a stop token while fewer than min_tokens tokens precede it
     # (`masked_token_ids`); the same rule here holds for any other source of tokens, whatever ignore_eos says
-    if generated > params.min_tokens and (
-            token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)):
-        return "stop"
+    if generated > params.min_tokens:
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return "stop"
+        if token in params.stop_token_ids:
+            seq.stop_reason = token  # as vLLM: a stop token names itself (EOS, looked at first, does not)
+            return "stop"
     if generated >= (params.max_tokens or self.max_model_len) or seq.num_tokens >= self.max_model_len:
         return "length"
     return None

@@ -35,6 +35,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose keys and values are in the cache
         self.num_cached_tokens = 0  # of those, found in the prefix cache at the last allocation
         self.finish_reason: str | None = None  # "stop" (EOS or a stop token), "length" (max_tokens, max_model_len), "abort"
+        self.stop_reason: int | None = None  # the stop token (of `stop_token_ids`) that ended it; None for EOS and the rest
         self.num_preemptions = 0
         # per generated token, when logprobs are asked for: {token id: log-probability} of the sampled and top tokens
         self.logprobs: list[dict[int, float]] | None = [] if self.sampling_params.logprobs is not None else None

@@ -22,8 +22,8 @@ from ..engine.scheduler import check_fits
 from ..sampling_params import SamplingParams
 from ..engine.llm_engine import check_params_for_vocab
 from ..logger import configure_logging, logger
-from ..outputs import (CompletionDelta, CompletionOutput, Request, RequestOutput, check_params_for_tokenizer,
-                              encode_prompt, load_tokenizer)
+from ..outputs import (CompletionDelta, Request, RequestOutput, check_params_for_tokenizer, encode_prompt,
+                              load_tokenizer)
 from ..sampling_params import ParamError
 from fastcore.basics import patch
 
@@ -36,10 +36,11 @@ def merge_deltas(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     joined = {c.index: c for c in old.outputs}
     for c in new.outputs:
         o = joined.get(c.index)
-        joined[c.index] = c if o is None else CompletionOutput(
-            c.index, None if o.text is None and c.text is None else (o.text or "") + (c.text or ""),
-            o.token_ids + c.token_ids, c.finish_reason or o.finish_reason,
-            None if o.logprobs is None and c.logprobs is None else (o.logprobs or []) + (c.logprobs or []))
+        # the newer's cumulative_logprob (a running sum) and stop_reason (given with its end) stand
+        joined[c.index] = c if o is None else replace(
+            c, text=None if o.text is None and c.text is None else (o.text or "") + (c.text or ""),
+            token_ids=o.token_ids + c.token_ids, finish_reason=c.finish_reason or o.finish_reason,
+            logprobs=None if o.logprobs is None and c.logprobs is None else (o.logprobs or []) + (c.logprobs or []))
     # subtle: the older time stays: it is when the engine produced the first of these tokens (time to first token)
     return replace(new, outputs=[joined[i] for i in sorted(joined)], time=old.time,
                    prompt_logprobs=old.prompt_logprobs or new.prompt_logprobs)

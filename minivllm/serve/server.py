@@ -40,7 +40,8 @@ from ..config import check_text
 from ..distributed import listen_socket
 from ..sampling_params import SamplingParams
 from ..logger import logger
-from ..outputs import CompletionOutput, RequestOutput, load_tokenizer
+from ..model_source import DEFAULT_MODEL_NAME
+from ..outputs import CompletionOutput, Logprob, RequestOutput, load_tokenizer
 from fastcore.basics import patch
 
 # %% auto #0
@@ -50,10 +51,10 @@ __all__ = ['MAX_REQUEST_BYTES', 'MAX_N', 'MAX_LOGPROBS', 'MAX_COMPLETION_LOGPROB
            'ContentPart', 'ChatMessage', 'ChatCompletionRequest', 'TokenizeRequest', 'DetokenizeRequest',
            'AsciiJSONResponse', 'one_line', 'error_response', 'validation_message', 'is_json_content_type',
            'http_error_message', 'check_limit', 'BodyLimit', 'raw_response', 'SlowClientGuard', 'guarded_protocol',
-           'longest_token_chars', 'PromptEncoder', 'usage', 'LogprobFormat', 'sse', 'OpenAIReply', 'EngineCollector',
-           'ServerMetrics', 'RequestTimer', 'generate_all', 'batch_window', 'Overloaded', 'ClientGone',
-           'EngineUnresponsive', 'OpenAIServer', 'until_disconnected', 'chat_messages', 'ApiKeyCheck', 'AnswerFailures',
-           'build_app', 'bind_socket', 'use_chat_template', 'serve']
+           'longest_token_chars', 'PromptEncoder', 'usage', 'most_likely_first', 'LogprobFormat', 'sse', 'OpenAIReply',
+           'EngineCollector', 'ServerMetrics', 'RequestTimer', 'generate_all', 'batch_window', 'Overloaded',
+           'ClientGone', 'EngineUnresponsive', 'OpenAIServer', 'until_disconnected', 'chat_messages', 'ApiKeyCheck',
+           'AnswerFailures', 'build_app', 'bind_socket', 'use_chat_template', 'serve']
 
 # %% ../../nbs/13c_server.ipynb #ebfbba7b
 # subtle: strict, as OpenAI's API is: "yes" is not a boolean, true is not a token id, 2.5 is not a count
@@ -476,38 +477,43 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
+def most_likely_first(d: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+    "One position's `(token id, Logprob)`s, the most likely first."
+    return sorted(d.items(), key=lambda x: -x[1].logprob)
+
 class LogprobFormat:
-    "OpenAI's two logprobs layouts (completions: parallel lists; chat: a list of token records), token text by the tokenizer."
+    "OpenAI's two logprobs layouts (completions: parallel lists; chat: a list of token records) and vLLM's prompt_logprobs, from the outputs' `Logprob`s."
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def text(self, token_id: int) -> str:
+    def text(self, token_id: int, lp: Logprob | None = None) -> str:
+        "A token's text: its `Logprob`'s where it has one, else decoded here (the id itself without a tokenizer)."
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
-    def completion(self, token_ids: list[int], logprobs: list[dict[int, float]], offset: int) -> dict:
+    def completion(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], offset: int) -> dict:
         "`{tokens, token_logprobs, top_logprobs, text_offset}`, text offsets counted from `offset`."
-        tokens = [self.text(t) for t in token_ids]
+        tokens = [self.text(t, d[t]) for t, d in zip(token_ids, logprobs)]
         offsets = [offset + sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
         # subtle: each position's dict holds the k most likely tokens and the sampled one (notebook 05's
         # token_logprobs): all of it, as vLLM's completions show; chat's top_logprobs are the k most likely (OpenAI's)
-        top = [{self.text(u): lp for u, lp in sorted(d.items(), key=lambda x: -x[1])} for d in logprobs]
-        return {"tokens": tokens, "token_logprobs": [d[t] for t, d in zip(token_ids, logprobs)],
+        top = [{self.text(u, lp): lp.logprob for u, lp in most_likely_first(d)} for d in logprobs]
+        return {"tokens": tokens, "token_logprobs": [d[t].logprob for t, d in zip(token_ids, logprobs)],
                 "top_logprobs": top, "text_offset": offsets}
 
-    def prompt(self, token_ids: list[int], logprobs: list[dict[int, float] | None], k: int) -> list[dict | None]:
+    def prompt(self, logprobs: list[dict[int, Logprob] | None]) -> list[dict | None]:
         "vLLM's prompt_logprobs: None, then per prompt token `{token id: {logprob, rank, decoded_token}}`."
-        def records(t: int, d: dict[int, float]) -> dict:
-            ranked = sorted(d.items(), key=lambda x: -x[1])
-            # subtle: the k most likely rank 1..k; the prompt token beside them (a dict of k + 1) ranks below k, unmeasured
-            return {str(u): {"logprob": lp, "rank": r + 1 if r < k or u != t else None, "decoded_token": self.text(u)}
-                    for r, (u, lp) in enumerate(ranked)}
-        return [None] + [records(t, d) for t, d in zip(token_ids[1:], logprobs[1:])]
+        # the ranks are notebook 12a's (`vllm_logprobs`): null for the prompt token below the k most likely
+        record = lambda u, lp: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self.text(u, lp)}
+        return [None if d is None else {str(u): record(u, lp) for u, lp in most_likely_first(d)} for d in logprobs]
 
-    def chat(self, token_ids: list[int], logprobs: list[dict[int, float]], k: int) -> dict:
+    def chat(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], k: int) -> dict:
         "`{content: [{token, logprob, bytes, top_logprobs}]}`."
-        def record(t, lp): s = self.text(t); return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-        return {"content": [record(t, d[t]) | {"top_logprobs": [record(u, lp) for u, lp in
-                                                                sorted(d.items(), key=lambda x: -x[1])[:k]]}
+        def record(t: int, lp: Logprob) -> dict:
+            s = self.text(t, lp)
+            return {"token": s, "logprob": lp.logprob, "bytes": list(s.encode())}
+        return {"content": [record(t, d[t]) | {"top_logprobs": [record(u, lp) for u, lp in most_likely_first(d)[:k]]}
                             for t, d in zip(token_ids, logprobs)]}
 
 # %% ../../nbs/13c_server.ipynb #8dceaf02
@@ -549,7 +555,7 @@ class OpenAIReply:
         "`{prompt_logprobs: ...}` where the request asked for them and this output carries them, else nothing."
         if self.prompt_k is None or delta.prompt_logprobs is None:
             return {}
-        return {"prompt_logprobs": self.logprobs.prompt(delta.prompt_token_ids, delta.prompt_logprobs, self.prompt_k)}
+        return {"prompt_logprobs": self.logprobs.prompt(delta.prompt_logprobs)}
 
     def chunk(self, i: int, delta: RequestOutput) -> bytes:
         "The event of one delta: a choice for each completion with news (the prompt's logprobs with the first, as vLLM's)."
@@ -594,9 +600,9 @@ class OpenAIReply:
 
 # %% ../../nbs/13c_server.ipynb #f4b5e8cd
 class EngineCollector:
-    "Prometheus metrics read from an `AsyncLLM`'s latest stats at each scrape."
-    def __init__(self, engine: AsyncLLM):
-        self.engine = engine
+    "Prometheus metrics read from an `AsyncLLM`'s latest stats at each scrape: minivllm's, and vLLM's labelled `model_name`."
+    def __init__(self, engine: AsyncLLM, model_name: str):
+        self.engine, self.model_name = engine, model_name
 
     def collect(self):
         s = self.engine.stats
@@ -612,12 +618,25 @@ class EngineCollector:
                                  ("num_preemptions", "Sequences preempted for lack of KV-cache blocks.", s.preemptions),
                                  ("engine_steps", "Engine steps computed.", s.steps)):
             yield CounterMetricFamily(f"minivllm_{name}", doc, value=value)
+        blocks = s.kv_blocks_used + s.kv_blocks_free
+        usage = s.kv_blocks_used / blocks if blocks else 0.0
+        for kind, name, doc, value in (
+                (GaugeMetricFamily, "num_requests_running", "Requests holding KV-cache blocks.", s.running),
+                (GaugeMetricFamily, "num_requests_waiting", "Requests queued for their first blocks.", s.waiting),
+                (GaugeMetricFamily, "kv_cache_usage_perc", "The fraction of KV-cache blocks in use (0 to 1).", usage),
+                (GaugeMetricFamily, "gpu_cache_usage_perc", "vllm:kv_cache_usage_perc, by its older name.", usage),
+                (CounterMetricFamily, "prompt_tokens", "Prompt tokens of the requests added.", s.prompt_tokens),
+                (CounterMetricFamily, "generation_tokens", "Tokens generated.", s.generation_tokens),
+                (CounterMetricFamily, "num_preemptions", "Sequences preempted for lack of KV-cache blocks.", s.preemptions)):
+            family = kind(f"vllm:{name}", doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
 
 class ServerMetrics:
-    "A server's Prometheus registry: the engine's state and the requests' timings."
-    def __init__(self, engine: AsyncLLM):
+    "A server's Prometheus registry: the engine's state and the requests' timings, by minivllm's names and vLLM's."
+    def __init__(self, engine: AsyncLLM, model_name: str):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine))
+        self.registry.register(EngineCollector(engine, model_name))
         seconds = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
         self.ttft = Histogram("minivllm_time_to_first_token_seconds", "From a request's arrival to its first token.",
                               buckets=seconds, registry=self.registry)
@@ -627,11 +646,21 @@ class ServerMetrics:
                                  buckets=seconds, registry=self.registry)
         self.finished = Counter("minivllm_requests_finished", "Requests finished, by reason.", ["finish_reason"],
                                 registry=self.registry)
+        vllm = lambda name, doc: Histogram(f"vllm:{name}", doc, ["model_name"], buckets=seconds,
+                                           registry=self.registry).labels(model_name)
+        self.vllm_ttft = vllm("time_to_first_token_seconds", "From a request's arrival to its first token.")
+        self.vllm_itl = vllm("inter_token_latency_seconds", "Between two tokens of a completion.")
+        self.vllm_tpot = vllm("time_per_output_token_seconds", "vllm:inter_token_latency_seconds, by its older name.")
+        self.vllm_latency = vllm("e2e_request_latency_seconds", "From a request's arrival to its end.")
+        self.vllm_success = Counter("vllm:request_success", "Requests finished, by reason.",
+                                    ["model_name", "finished_reason"], registry=self.registry)
+        self.model_name = model_name
 
 class RequestTimer:
     "The timings of one HTTP request, reported to `ServerMetrics` when it ends."
     def __init__(self, metrics: ServerMetrics):
         self.metrics, self.arrival, self.first, self.last, self.tokens = metrics, time.perf_counter(), None, None, 0
+        self.latest: dict[tuple[str, int], tuple[float, int]] = {}  # per completion: its latest delta's time and tokens
 
     def saw(self, delta: RequestOutput) -> None:
         "Count a delta's tokens at the time the engine produced them (not when this request's task got to them)."
@@ -639,16 +668,32 @@ class RequestTimer:
         if new:
             self.first = self.first or delta.time
             self.last, self.tokens = delta.time, self.tokens + new
+        m = self.metrics
+        for c in delta.outputs:
+            if not c.token_ids:
+                continue
+            key = delta.request_id, c.index  # one prompt's completion (a request may hold many prompts)
+            if (before := self.latest.get(key)) is not None:
+                # subtle: a delta's time is its first token's: the tokens of the one before share the gap up to it
+                gap, count = (delta.time - before[0]) / before[1], before[1]
+                for _ in range(count):
+                    m.vllm_itl.observe(gap)
+                    m.vllm_tpot.observe(gap)
+            self.latest[key] = delta.time, len(c.token_ids)
 
     def done(self, finish_reasons: list[str]) -> None:
         m = self.metrics
         if self.first is not None:
             m.ttft.observe(self.first - self.arrival)
+            m.vllm_ttft.observe(self.first - self.arrival)
             if self.tokens > 1:
                 m.tpot.observe((self.last - self.first) / (self.tokens - 1))
-        m.latency.observe(time.perf_counter() - self.arrival)
+        latency = time.perf_counter() - self.arrival
+        m.latency.observe(latency)
+        m.vllm_latency.observe(latency)
         for reason in finish_reasons:
             m.finished.labels(reason).inc()
+            m.vllm_success.labels(m.model_name, reason).inc()
 
 # %% ../../nbs/13c_server.ipynb #f9a115e0
 async def generate_all(engine: AsyncLLM, prompts: list, params: SamplingParams, request_id: str,
@@ -724,14 +769,15 @@ class OpenAIServer:
         self.max_prompts_per_request, self.max_queued_tokens = max_prompts_per_request, max_queued_tokens
         self.queued_tokens = 0  # prompt tokens of the requests taken and not finished (in the event loop's thread)
         self._looked_at, self._down = -math.inf, None  # engine_down's last look, and what it saw
-        self.metrics, self.logprob_format = ServerMetrics(engine), LogprobFormat(self.tokenizer)
+        self.metrics, self.logprob_format = ServerMetrics(engine, model_name), LogprobFormat(self.tokenizer)
         self.encoder = PromptEncoder(self.tokenizer, self.max_model_len, model_name)
 
     def model_error(self, model: str | None) -> JSONResponse | None:
         "The error response for a model that is not this server's, else None (None: the body named none)."
         if model is not None and model != self.model_name:
-            return error_response(400, f"the model {model!r} is not served here: this server serves "
-                                  f"{self.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
+            # as vLLM: a 404 of type NotFoundError (OpenAI's clients raise NotFoundError for any 404)
+            return error_response(404, f"the model {model!r} is not served here: this server serves "
+                                  f"{self.model_name!r} (see GET /v1/models)", "NotFoundError", param="model", code=404)
         return None
 
     def check(self, body: SamplingFields) -> JSONResponse | None:
@@ -1151,7 +1197,7 @@ def serve(model: str | Path | None = None, tensor_parallel_size: int = 1, host: 
         tokenizer = load_tokenizer(Path(engine.args.model))
         if chat_template is not None:
             use_chat_template(tokenizer, chat_template)
-        name = served_model_name or (str(model) if model is not None else "minivllm-default")
+        name = served_model_name or (str(model) if model is not None else DEFAULT_MODEL_NAME)
         app = build_app(engine, name, api_key, tokenizer, max_request_bytes, max_prompts_per_request, max_queued_tokens)
         config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3, http=protocol)
         server = _Server(config, engine)
