@@ -6,24 +6,32 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
+
 # %% auto #0
-__all__ = ['logger', 'configure_logging']
+__all__ = ['logger', 'LOG_LEVELS', 'configure_logging']
 
 # %% ../nbs/00a_logger.ipynb #b9a1992a
 logger = logging.getLogger("minivllm")  # every module's notices, by this one name
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # what MINIVLLM_LOG_LEVEL may name
 
 class _StderrHandler(logging.Handler):
     "Writes each record to the current `sys.stderr` (which notebooks and test runners replace), as `minivllm: ...`."
     def emit(self, record: logging.LogRecord) -> None:
         print(f"minivllm: {self.format(record)}", file=sys.stderr)
 
-def configure_logging(level: int = logging.INFO) -> bool:
-    "Show the package's notices from `level` up on stderr, unless the program has configured logging itself; whether this call did."
+def configure_logging(level: int | None = None) -> bool:
+    "Show the package's notices from `level` (else `$MINIVLLM_LOG_LEVEL`, else INFO) up on stderr, unless the program has configured logging itself; whether this call did."
     if logger.handlers or logging.getLogger().handlers:  # the program's own configuration (or an earlier call) stands
         return False
+    name = os.environ.get("MINIVLLM_LOG_LEVEL", "").strip().upper()
     logger.addHandler(_StderrHandler())
-    logger.setLevel(level)
+    logger.setLevel(level if level is not None else getattr(logging, name) if name in LOG_LEVELS else logging.INFO)
     logger.propagate = False  # subtle: a root handler the program adds later would print every notice a second time
+    if level is None and name and name not in LOG_LEVELS:
+        logger.warning(f"MINIVLLM_LOG_LEVEL={name!r} names no level ({', '.join(LOG_LEVELS)}): INFO")
     return True
+

@@ -28,7 +28,7 @@ __all__ = ['ONEDNN_DTYPES', 'GEMM_KERNELS', 'GEMM_ROWS', 'LOGIT_ROWS', 'THIS_STA
            'pack_weight', 'cpu_gemm_setting', 'last_level_cache_bytes', 'weight_copies', 'time_gemm', 'relative_times',
            'pick_gemm', 'cpu_model', 'gemm_candidate_id', 'gemm_cache_key', 'gemm_cache_path', 'read_gemm_cache',
            'gemm_timings', 'save_gemm_timings', 'machine_busy', 'cores_busy_elsewhere', 'quiet_enough', 'process_cores',
-           'GemmStart', 'machine_quiet', 'choose_gemm', 'packed_weight']
+           'GemmStart', 'machine_quiet', 'tell_gemm_timing', 'choose_gemm', 'packed_weight']
 
 # %% ../../nbs/03a_cpu_gemm.ipynb #ed264a77
 @functools.cache
@@ -329,6 +329,7 @@ class GemmStart:
     def __init__(self):
         self.timed: dict[tuple[str, str], dict[str, dict]] = {}  # (cache file, key) -> records this start timed, saved or not
         self.busy_elsewhere: float | None = None  # cores other processes kept busy, the first time this start looked
+        self.told = False  # whether this start has said that it times the CPU GEMMs (`tell_gemm_timing`)
 
     def __repr__(self) -> str: return f"GemmStart({len(self.timed)} keys timed, busy elsewhere {self.busy_elsewhere})"
 
@@ -341,6 +342,21 @@ def machine_quiet(start: GemmStart, look_s: float = 0.2) -> bool:
         time.sleep(look_s)  # subtle: asleep, this process adds nothing: what /proc/stat counts is the others' work
         start.busy_elsewhere = cores_busy_elsewhere(before, machine_busy())
     return quiet_enough(start.busy_elsewhere, torch.get_num_threads(), process_cores())
+
+def tell_gemm_timing(start: GemmStart, weight: torch.Tensor, kernels: list[str], new: bool, busy_elsewhere: float,
+                     quiet: bool, path: Path) -> None:
+    "Say one weight's timing of `kernels`: its details at DEBUG, and one notice a start, at its first timing of a shape this machine never timed."
+    log, dtype = logging.getLogger("minivllm"), str(weight.dtype).removeprefix("torch.")
+    busy = "" if quiet else f"; other processes kept {busy_elsewhere:.1f} cores busy: saved marked busy"
+    log.debug(f"timed the CPU GEMMs {kernels} on a {dtype} {tuple(weight.shape)} weight{busy}")
+    # subtle: a new candidate (notebook 04a's, once built) or a quiet start's timing again of busy-marked samples is
+    # what the first notice announced; and another rank of this machine reads the shapes its first rank timed
+    if new and not start.told:
+        start.told = True
+        again = busy and f"{busy}, timed again at a start that finds the machine quiet"
+        # subtle: this weight's candidates, not every dtype's: asking for bfloat16's starts notebook 04a's build
+        log.info(f"timing the CPU GEMMs ({', '.join(kernels)} for {dtype}) on the model's weight shapes, once per "
+                 f"machine (kept in {path}){again}")
 
 def choose_gemm(weight: torch.Tensor, setting: str = "auto", rows: tuple[int, ...] = GEMM_ROWS, cache: Path | None = None,
                 measure: Callable[..., dict[str, list[list[float]]]] | None = None, start: GemmStart | None = None) -> str:
@@ -367,15 +383,12 @@ def choose_gemm(weight: torch.Tensor, setting: str = "auto", rows: tuple[int, ..
     if busy and not this_start and machine_quiet(start):
         todo = kernels  # timed on a busy machine and this start finds it quiet: all of them again, together, once
     if todo:
-        log.info(f"timing the CPU GEMMs {todo} on a {tuple(weight.shape)} weight (once per machine)")
         before = machine_busy()
         samples = (measure or time_gemm)(weight, todo, rows)
         elsewhere = cores_busy_elsewhere(before, machine_busy())
         start.busy_elsewhere = elsewhere if start.busy_elsewhere is None else start.busy_elsewhere
         quiet = quiet_enough(elsewhere, torch.get_num_threads(), process_cores())
-        if not quiet:
-            log.info(f"other processes kept {elsewhere:.1f} cores busy while the CPU GEMMs were timed: saved marked "
-                     "busy, timed again at a start that finds the machine quiet")
+        tell_gemm_timing(start, weight, todo, not timed, elsewhere, quiet, path)
         records = {ids[k]: {"samples_us": [[float(f"{t * 1e6:.4g}") for t in s] for s in samples[k]], "quiet": quiet,
                             "busy_elsewhere": round(elsewhere, 2)} for k in todo}
         start.timed[str(path), key] = this_start | records

@@ -29,9 +29,10 @@ from ..distributed import torch_version
 # %% auto #0
 __all__ = ['KERNEL_FLAGS', 'KERNEL_TORCH', 'KERNEL_WAIT_S', 'CPU_VECTOR_HELPERS', 'CPU_LAYER_KERNELS_SOURCE', 'CPU_KERNEL_DTYPES',
            'BF16_PANEL', 'BF16_GEMM_SOURCE', 'cpu_kernels_enabled', 'kernel_cache', 'kernel_build_inputs',
-           'kernel_build_folder', 'file_lock', 'remove_stale_builds', 'build_cpu_extension', 'cpp_source',
-           'cpp_listing', 'layer_kernels', 'use_cpu_kernels', 'layer_ops_for', 'check_cpu_tensors', 'add_rms_norm',
-           'silu_and_mul', 'rotary_embedding', 'argmax_rows', 'bf16_gemm', 'pack_bf16_panels', 'avx512bf16_linear']
+           'kernel_build_folder', 'file_lock', 'remove_stale_builds', 'build_cpu_extension', 'builder_pid',
+           'cpp_source', 'cpp_listing', 'layer_kernels', 'use_cpu_kernels', 'layer_ops_for', 'check_cpu_tensors',
+           'add_rms_norm', 'silu_and_mul', 'rotary_embedding', 'argmax_rows', 'bf16_gemm', 'pack_bf16_panels',
+           'avx512bf16_linear']
 
 # %% ../../nbs/04a_cpu_kernels.ipynb #b755915d
 KERNEL_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast"]
@@ -202,16 +203,50 @@ def _write_if_changed(path: Path, text: str) -> None:
     if not path.exists() or path.read_text() != text:
         path.write_text(text)
 
-def _build_in_background(name: str, source: str, build: Path) -> None:
-    "Start a process of its own that builds the library (one build at a time per cache, in turn); say so once."
+def builder_pid(build: Path) -> int | None:
+    "The process id of the background builder of the library in folder `build` while it lives (0 while it starts); None where none builds it."
+    try:
+        with open(build / "builder.pid") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # its builder holds the lock while it lives
+                text = f.read().strip()
+                return int(text) if text.isdigit() else 0
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return None
+    except OSError:  # never started here
+        return None
+
+def _build_in_background(name: str, source: str, build: Path) -> bool:
+    "Start a process of its own that builds the library (one build at a time per cache, in turn), unless one builds it already; whether this call started it."
     _write_if_changed(build / "source.cpp", source)
-    with open(build / "build.log", "a") as out:
-        # subtle: a session of its own, so that the Ctrl-C that stops this process leaves the build to finish;
-        # one builder at a time keeps a small machine's cores for the engine
-        subprocess.Popen([sys.executable, "-c", _BUILD_IN_CHILD, name, str(build / "source.cpp")],
-                         stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
-                         env=os.environ | {"MINIVLLM_KERNEL_BUILD": "wait"})
-    _say_building_in_background(build.parent)
+    log = logging.getLogger("minivllm")
+    with file_lock(build.parent / "spawn.lock", 30) as held:  # one process at a time looks for builders and starts one
+        pids = {folder: builder_pid(folder) for folder in (f.parent for f in build.parent.glob("*/builder.pid"))}
+        others = [str(pid) for folder, pid in pids.items() if pid is not None and folder != build]
+        if not held or pids.get(build) is not None:  # under way (or another process is stuck starting a builder)
+            by = f" by process {pids[build]}" if pids.get(build) else ""
+            log.debug(f"the CPU kernels {name} are being built in the background{by} (logs in {build}/build.log): "
+                      "torch's operations serve until they are ready")
+            return False
+        fd = os.open(build / "builder.pid", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # free: no builder lives
+            with open(build / "build.log", "a") as out:
+                # subtle: a session of its own, so that the Ctrl-C that stops this process leaves the build to finish;
+                # one builder at a time keeps a small machine's cores for the engine
+                child = subprocess.Popen([sys.executable, "-c", _BUILD_IN_CHILD, name, str(build / "source.cpp")],
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                                         env=os.environ | {"MINIVLLM_KERNEL_BUILD": "wait"}, pass_fds=(fd,))
+            os.write(fd, f"{child.pid}\n".encode())
+        finally:
+            os.close(fd)  # subtle: the builder's copy of it holds the lock until the builder ends, however it ends
+    if others:  # the builder started first said it, in this process or in another rank of the run
+        log.debug(f"the CPU kernels {name} are queued to be built in the background by process {child.pid}, behind "
+                  f"process {', '.join(others)}: torch's operations serve until they are ready")
+    else:
+        _say_building_in_background(build.parent)
+    return True
 
 @functools.cache
 def _say_building_in_background(cache: Path) -> None:
