@@ -1,0 +1,64 @@
+"""The host's time in one decode step at a batch of 256, without a model: the scheduler's step (with its step
+message), the decode graph's inputs filled from the block tables a rank keeps (what a GPU step's host builds), and
+postprocess with the sampled tokens. Medians over 300 steps, in milliseconds.
+
+    python tools/host_step.py [--batch 256] [--steps 300]
+
+Run it in two worktrees (PYTHONPATH=<worktree>) to compare versions, alternating the order; name the CPU (lscpu).
+"""
+import argparse
+import random
+import statistics
+import time
+
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.cuda_graphs import DecodeBuffers
+from minivllm.engine.scheduler import Scheduler
+from minivllm.kv_cache import BlockTables
+from minivllm.sampling_params import SamplingParams
+
+BLOCK_SIZE, MAX_BLOCKS = 16, 128
+
+
+def decoding_scheduler(batch: int) -> tuple[Scheduler, BlockTables]:
+    "A scheduler with `batch` sampled requests of 300 to 300 + batch prompt tokens, past their prefill; the rank's tables."
+    sched = Scheduler(BlockManager(batch * 80, BLOCK_SIZE), batch, 16384, 2048, [0])
+    tables = BlockTables(batch, MAX_BLOCKS)
+    for i in range(batch):
+        sched.add([(7 * i + j) % 1000 + 1 for j in range(300 + i)],
+                  SamplingParams(temperature=0.6, max_tokens=1000, ignore_eos=True))
+    while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
+        b = sched.schedule()
+        tables.update(b.step.table_updates)
+        sched.postprocess(b, [5] * b.num_seqs)
+    return sched, tables
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=300)
+    a = parser.parse_args()
+    sched, tables = decoding_scheduler(a.batch)
+    buffers, rng = DecodeBuffers(a.batch, MAX_BLOCKS), random.Random(0)
+
+    def step() -> tuple[float, float, float]:
+        t0 = time.perf_counter()
+        b = sched.schedule()
+        t1 = time.perf_counter()
+        tables.update(b.step.table_updates)
+        buffers.fill(b.step, a.batch, tables)
+        t2 = time.perf_counter()
+        sched.postprocess(b, [rng.randrange(1, 1000) for _ in range(b.num_seqs)])
+        return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+    for _ in range(20):
+        step()
+    times = [step() for _ in range(a.steps)]
+    parts = [statistics.median(t[k] for t in times) * 1e3 for k in range(3)]
+    print(f"batch {a.batch}: schedule {parts[0]:.3f} ms, graph inputs {parts[1]:.3f} ms, postprocess {parts[2]:.3f} ms, "
+          f"host {sum(parts):.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
