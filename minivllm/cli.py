@@ -6,13 +6,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import logging
 import sys
 from pathlib import Path
 
 from . import __version__
-from .logger import configure_logging
+from .logger import configure_logging, quieted
 
 # %% auto #0
 __all__ = ['TOKENIZER_PARTS', 'DTYPES', 'VLLM_FIXED_OPTIONS', 'USER_ERRORS', 'names_model', 'split_model_and_prompts',
@@ -266,8 +267,9 @@ def _add_serve(sub) -> None:
                         "warns), and stays in the shell's history")
     s.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="read the API key from this file, whitespace around it ignored (default: none)")
-    s.add_argument("--served-model-name", default=None,
-                   help="the model's name in the API (default: MODEL as given, or minivllm-default)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's names in the API, as vLLM's: a request may name any of them, /v1/models lists "
+                        "them all, and responses report the first (default: MODEL as given, or minivllm-default)")
     s.add_argument("--max-num-seqs", type=int, default=256, help="the most requests in one batch (default: %(default)s)")
     s.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help="the most tokens one step computes; longer prompts are prefilled in chunks (default: 2048, "
@@ -321,6 +323,11 @@ def _add_serve(sub) -> None:
 
 def _model_argument(a: argparse.Namespace) -> str | None:
     "`serve`'s model, given as MODEL or as --model (None: the packaged model); both at once must agree."
+    names = a.served_model_name
+    if a.model is None and a.model_option is None and names and len(names) > 1 and names_model(names[-1]):
+        # subtle: --served-model-name takes one or more words, so `serve --served-model-name NAME MODEL` hands it MODEL
+        # as well; its last word is MODEL when it names a model, as when the option took one word
+        a.model = names.pop()
     if a.model is not None and a.model_option is not None and a.model != a.model_option:
         raise ValueError(f"the model is given twice, as MODEL ({a.model}) and as --model ({a.model_option}): "
                          "give it once")
@@ -432,11 +439,9 @@ def _generate_command(a: argparse.Namespace) -> int:
     Config.from_pretrained(folder, tensor_parallel_size=a.tp, dtype=_dtype(a))  # the checks that need no weights
     check_tokenizer(folder, a.chat)
     heads = [""] * len(a.prompts) if a.chat else list(a.prompts)  # what each completion is printed after
-    engine_logger = logging.getLogger("minivllm")
-    level = engine_logger.level
-    if a.quiet:
-        engine_logger.setLevel(logging.WARNING)
-    try:
+    # subtle: quieted() reaches the ranks too, each a process that reads MINIVLLM_LOG_LEVEL; both levels are restored
+    # after, since main() may run in a longer-lived process (tests, notebooks)
+    with quieted() if a.quiet else contextlib.nullcontext():
         with LLM(folder, tensor_parallel_size=a.tp, dtype=_dtype(a), max_model_len=a.max_model_len,
                  num_threads=a.num_threads, **_given_engine_options(a), **_node_kwargs(a)) as llm:
             prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in a.prompts] if a.chat else a.prompts
@@ -454,8 +459,6 @@ def _generate_command(a: argparse.Namespace) -> int:
                 for head, text in zip(heads, texts):
                     print(f"{head}{text}")
                     if len(texts) > 1: print("-" * 40)
-    finally:
-        engine_logger.setLevel(level)  # subtle: main() may run in a longer-lived process (tests, notebooks)
     return 0
 
 def hide_from_ps(secret: str) -> bool:

@@ -5,13 +5,14 @@
 # %% ../nbs/00a_logger.ipynb #3d455033
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 
 
 # %% auto #0
-__all__ = ['logger', 'LOG_LEVELS', 'configure_logging']
+__all__ = ['logger', 'LOG_LEVELS', 'configure_logging', 'quieted']
 
 # %% ../nbs/00a_logger.ipynb #b9a1992a
 logger = logging.getLogger("minivllm")  # every module's notices, by this one name
@@ -35,3 +36,26 @@ def configure_logging(level: int | None = None) -> bool:
         logger.warning(f"MINIVLLM_LOG_LEVEL={name!r} names no level ({', '.join(LOG_LEVELS)}): INFO")
     return True
 
+
+# %% ../nbs/00a_logger.ipynb #97c9c6cb
+@contextlib.contextmanager
+def quieted(level: int = logging.WARNING):
+    "Within it, the package's notices below `level` are dropped, here and in each process started meanwhile (worker ranks, the engine core); the levels before are restored after."
+    name = logging.getLevelName(level)
+    if name not in LOG_LEVELS:
+        raise ValueError(f"quieted() takes one of logging's levels {', '.join(LOG_LEVELS)}, got {level!r}")
+    kept_level, kept_variable = logger.level, os.environ.get("MINIVLLM_LOG_LEVEL")
+    given = (kept_variable or "").strip().upper()
+    logger.setLevel(max(level, logger.getEffectiveLevel()))
+    # subtle: a process started meanwhile configures its logging from the environment it inherits (configure_logging),
+    # so the level must be there too; setting this process's logger alone leaves a rank's notices on stderr
+    if not (given in LOG_LEVELS and getattr(logging, given) >= level):
+        os.environ["MINIVLLM_LOG_LEVEL"] = name
+    try:
+        yield
+    finally:
+        logger.setLevel(kept_level)
+        if kept_variable is None:
+            os.environ.pop("MINIVLLM_LOG_LEVEL", None)
+        else:
+            os.environ["MINIVLLM_LOG_LEVEL"] = kept_variable

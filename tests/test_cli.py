@@ -209,7 +209,7 @@ def test_serve_passes_every_option_to_the_server(monkeypatch):
                  "--gpu-memory-utilization", "0.5", "--enforce-eager", "--seed", "7", "--num-threads", "1",
                  "--max-num-batched-tokens", "512", "--stream-interval", "3"]) == 0
     folder, tp, host, port, key, name, log_level = seen["args"]
-    assert (str(folder), tp, host, port, key, name, log_level) == (model, 2, "0.0.0.0", 0, "k", "m", "warning")
+    assert (str(folder), tp, host, port, key, name, log_level) == (model, 2, "0.0.0.0", 0, "k", ["m"], "warning")
     assert seen["kwargs"] == dict(dtype="bfloat16", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=512,
                                   gpu_memory_utilization=0.5,
                                   enforce_eager=True, seed=7, num_threads=1, stream_interval=3, nnodes=1,

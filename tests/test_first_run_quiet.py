@@ -95,3 +95,33 @@ def test_two_processes_at_once_start_one_builder_and_one_says_so(tmp_path):
         assert sum(BUILDING in err for _, err in outs) == 1, outs
     finally:
         stop_builders(tmp_path)
+
+
+# a sitecustomize that makes each rank process (notebook 01) say a notice and a warning as soon as it has configured
+# its logging, as a kernel-build notice would; the command's own process says nothing
+RANK_SAYS = """import sys
+if any("_rank_process_main" in arg for arg in getattr(sys, "orig_argv", ())):
+    import minivllm.distributed.processes as processes
+    from minivllm.logger import logger
+    configure = processes.configure_logging
+    def configure_then_say(*args, **kwargs):
+        done = configure(*args, **kwargs)
+        logger.info("a notice from a rank")
+        logger.warning("a warning from a rank")
+        return done
+    processes.configure_logging = configure_then_say
+"""
+
+
+def test_quiet_silences_the_notices_of_every_rank(tmp_path, chat_ckpt):
+    "`generate --quiet --tp 2`: rank 1's notices are dropped too (it reads MINIVLLM_LOG_LEVEL), its warnings still shown."
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(RANK_SAYS)
+    env = {k: v for k, v in os.environ.items() if k != "MINIVLLM_LOG_LEVEL"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path / "site"), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-m", "minivllm", "generate", "--model", str(chat_ckpt), "Hello", "--tp", "2",
+                           "--max-tokens", "2", "--quiet"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("Hello"), done.stderr[-3000:]
+    said = notices(done.stderr)
+    assert [unprefixed(line) for line in said] == ["minivllm: a warning from a rank"], done.stderr[-3000:]
+    assert said[0].startswith("(minivllm-rank1 pid="), said  # from rank 1, whose notice --quiet dropped

@@ -22,9 +22,9 @@ HELLO = [{"role": "user", "content": "Say something."}]
 
 @pytest.fixture(scope="module")
 def tp2(chat_ckpt):
-    "A TP=2 server of the tiny chat checkpoint, as 'tiny', behind an API key."
+    "A TP=2 server of the tiny chat checkpoint, as 'tiny' (and its alias 'tiny-alias'), behind an API key."
     with ServerProcess("--model", str(chat_ckpt), "--tp", "2", "--max-model-len", "256", "--api-key", KEY,
-                       "--served-model-name", "tiny") as server:
+                       "--served-model-name", "tiny", "tiny-alias") as server:
         server.model = chat_ckpt
         yield server
 
@@ -40,7 +40,7 @@ def metrics(server) -> dict[str, float]:
 
 def test_the_openai_client_gets_completions_and_chats_streamed_and_whole(tp2, chat_ckpt):
     c = client(tp2)
-    assert [m.id for m in c.models.list().data] == ["tiny"]
+    assert [m.id for m in c.models.list().data] == ["tiny", "tiny-alias"]
     whole = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0)
     pieces = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0, stream=True,
                                   stream_options={"include_usage": True})
@@ -274,11 +274,23 @@ def test_an_unknown_model_is_a_404_as_in_vllm(tp2):
         r = httpx.post(tp2.url + path, json=body, headers=headers, timeout=60)
         assert r.status_code == 404, r.text
         error = r.json()["error"]
-        assert "is not served here" in error["message"] and (error["type"], error["code"], error["param"]) == (
-            "NotFoundError", 404, "model")
+        assert "is not served here: this server serves 'tiny', 'tiny-alias'" in error["message"]
+        assert (error["type"], error["code"], error["param"]) == ("NotFoundError", 404, "model")
     with pytest.raises(openai.NotFoundError, match="is not served here"):
         client(tp2).completions.create(model="gpt-5", prompt="Hi", max_tokens=2)
     assert client(tp2).completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_every_served_name_answers_and_responses_report_the_first(tp2):
+    "`--served-model-name tiny tiny-alias`, as vLLM's: either name answers, /v1/models lists both, responses say 'tiny'."
+    c = client(tp2)
+    assert [(m.id, m.max_model_len) for m in c.models.list().data] == [("tiny", 256), ("tiny-alias", 256)]
+    for name in ("tiny", "tiny-alias"):
+        whole = c.completions.create(model=name, prompt="Hi", max_tokens=2)
+        chat = c.chat.completions.create(model=name, messages=HELLO, max_tokens=2)
+        streamed = c.completions.create(model=name, prompt="Hi", max_tokens=2, stream=True)
+        assert (whole.model, chat.model, {chunk.model for chunk in streamed}) == ("tiny", "tiny", {"tiny"}), name
+    assert any("serving 'tiny' (also as 'tiny-alias') at http://" in line for line in tp2.log), tp2.log
 
 
 VLLM_METRICS = {"vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",

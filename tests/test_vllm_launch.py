@@ -70,7 +70,7 @@ def test_every_common_vllm_serve_option_is_accepted(served, caplog):
     caplog.set_level(logging.INFO, logger="minivllm")
     assert main(["serve", str(DEFAULT_MODEL), *LAUNCH_LINE, *MORE_OPTIONS, "--tokenizer", DEFAULT_MODEL_NAME]) == 0
     folder, tp, host, port, key, name, log_level = served["args"]
-    assert (str(folder), tp, name, host) == (str(DEFAULT_MODEL), 1, "qwen", "127.0.0.1")
+    assert (str(folder), tp, name, host) == (str(DEFAULT_MODEL), 1, ["qwen"], "127.0.0.1")
     kwargs = served["kwargs"]
     assert {k: kwargs[k] for k in ("max_num_seqs", "max_num_batched_tokens", "enforce_eager", "device",
                                    "kvcache_block_size")} == \
@@ -83,6 +83,16 @@ def test_every_common_vllm_serve_option_is_accepted(served, caplog):
     # vLLM's --log-level name for uvicorn's, and minivllm's own
     for flag in ("--uvicorn-log-level", "--log-level"):
         assert main(["serve", str(DEFAULT_MODEL), flag, "info"]) == 0 and served["args"][6] == "info"
+
+
+def test_served_model_name_takes_several_names_as_vllms_does(served):
+    "`--served-model-name A B`: every name reaches the server, the first first; a model written after the names is the model."
+    assert main(["serve", DEFAULT_MODEL_NAME, "--served-model-name", "qwen", "qwen-alias", "--port", "0"]) == 0
+    assert served["args"][0] == DEFAULT_MODEL and served["args"][5] == ["qwen", "qwen-alias"]
+    assert main(["serve", "--served-model-name", "qwen", "qwen-alias", str(DEFAULT_MODEL)]) == 0  # as with one name
+    assert served["args"][0] == DEFAULT_MODEL and served["args"][5] == ["qwen", "qwen-alias"]
+    assert main(["serve", "--served-model-name", "qwen", "qwen-alias"]) == 0  # no model: the packaged one, two names
+    assert served["args"][0] is None and served["args"][5] == ["qwen", "qwen-alias"]
 
 
 @pytest.mark.parametrize("option, phrase", [

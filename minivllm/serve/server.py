@@ -18,7 +18,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from pathlib import Path
@@ -53,8 +53,8 @@ __all__ = ['MAX_REQUEST_BYTES', 'MAX_N', 'MAX_LOGPROBS', 'MAX_COMPLETION_LOGPROB
            'http_error_message', 'check_limit', 'BodyLimit', 'raw_response', 'SlowClientGuard', 'guarded_protocol',
            'longest_token_chars', 'PromptEncoder', 'usage', 'most_likely_first', 'LogprobFormat', 'sse', 'OpenAIReply',
            'EngineCollector', 'ServerMetrics', 'RequestTimer', 'generate_all', 'batch_window', 'Overloaded',
-           'ClientGone', 'EngineUnresponsive', 'OpenAIServer', 'until_disconnected', 'chat_messages', 'ApiKeyCheck',
-           'AnswerFailures', 'build_app', 'bind_socket', 'use_chat_template', 'serve']
+           'ClientGone', 'EngineUnresponsive', 'served_names', 'OpenAIServer', 'until_disconnected', 'chat_messages',
+           'ApiKeyCheck', 'AnswerFailures', 'build_app', 'bind_socket', 'use_chat_template', 'serve']
 
 # %% ../../nbs/13c_server.ipynb #ebfbba7b
 # subtle: strict, as OpenAI's API is: "yes" is not a boolean, true is not a token id, 2.5 is not a count
@@ -755,29 +755,40 @@ class ClientGone(Exception):
 class EngineUnresponsive(RuntimeError):
     "The engine cannot answer a request that waits for its first output (a process of it stopped or gone): a 503, as /health says."
 
+def served_names(names: str | Sequence[str]) -> tuple[str, ...]:
+    "The names a server answers to, as vLLM's `--served-model-name`: one, or several whose first responses report; repeats dropped. Example: `['a', 'b', 'a']` -> `('a', 'b')`."
+    names = (names,) if isinstance(names, str) else tuple(names)
+    if not names or not all(isinstance(name, str) and name.strip() for name in names):
+        raise ValueError(f"the served model names must be one or more names that are not blank, got {list(names)!r}: "
+                         "give each name as a word")
+    return tuple(dict.fromkeys(names))
+
 class OpenAIServer:
-    "The state behind the routes: the engine, the model's name, the server's tokenizer and encoder, metrics, limits."
-    def __init__(self, engine: AsyncLLM, model_name: str, tokenizer=None,
+    "The state behind the routes: the engine, the model's names, the server's tokenizer and encoder, metrics, limits."
+    def __init__(self, engine: AsyncLLM, model_name: str | Sequence[str], tokenizer=None,
                  max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST, max_queued_tokens: int = MAX_QUEUED_TOKENS):
         # tokenizer: the server's own copy (default: loaded from the engine's checkpoint); the engine's is its thread's
         check_limit("max_prompts_per_request", max_prompts_per_request, "prompts")
         check_limit("max_queued_tokens", max_queued_tokens, "tokens")
-        self.engine, self.model_name = engine, model_name
+        # model_name: a name, or several (vLLM's aliases): a request may give any; responses and metrics report the first
+        self.model_names = served_names(model_name)
+        self.engine, self.model_name = engine, self.model_names[0]
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(Path(engine.args.model))
         self.max_model_len = engine.args.max_model_len
         self.max_n = min(MAX_N, engine.args.max_num_seqs)
         self.max_prompts_per_request, self.max_queued_tokens = max_prompts_per_request, max_queued_tokens
         self.queued_tokens = 0  # prompt tokens of the requests taken and not finished (in the event loop's thread)
         self._looked_at, self._down = -math.inf, None  # engine_down's last look, and what it saw
-        self.metrics, self.logprob_format = ServerMetrics(engine, model_name), LogprobFormat(self.tokenizer)
-        self.encoder = PromptEncoder(self.tokenizer, self.max_model_len, model_name)
+        self.metrics, self.logprob_format = ServerMetrics(engine, self.model_name), LogprobFormat(self.tokenizer)
+        self.encoder = PromptEncoder(self.tokenizer, self.max_model_len, self.model_name)
 
     def model_error(self, model: str | None) -> JSONResponse | None:
-        "The error response for a model that is not this server's, else None (None: the body named none)."
-        if model is not None and model != self.model_name:
+        "The error response for a model that is none of this server's names, else None (None: the body named none)."
+        if model is not None and model not in self.model_names:
             # as vLLM: a 404 of type NotFoundError (OpenAI's clients raise NotFoundError for any 404)
             return error_response(404, f"the model {model!r} is not served here: this server serves "
-                                  f"{self.model_name!r} (see GET /v1/models)", "NotFoundError", param="model", code=404)
+                                  f"{', '.join(map(repr, self.model_names))} (see GET /v1/models)", "NotFoundError",
+                                  param="model", code=404)
         return None
 
     def check(self, body: SamplingFields) -> JSONResponse | None:
@@ -1072,10 +1083,10 @@ class AnswerFailures:
                                      "report it, with the request", "server_error")(scope, receive, send)
 
 # %% ../../nbs/13c_server.ipynb #c25037ea
-def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tokenizer=None,
+def build_app(engine: AsyncLLM, model_name: str | Sequence[str], api_key: str | None = None, tokenizer=None,
               max_request_bytes: int = MAX_REQUEST_BYTES, max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST,
               max_queued_tokens: int = MAX_QUEUED_TOKENS, health_timeout_s: float = HEALTH_TIMEOUT_S) -> FastAPI:
-    "The OpenAI-compatible app over `engine`, serving it as `model_name`; with `api_key`, /v1 needs `Authorization: Bearer KEY`."
+    "The OpenAI-compatible app over `engine`, serving it as `model_name` (or each of several names); with `api_key`, /v1 needs `Authorization: Bearer KEY`."
     check_limit("max_request_bytes", max_request_bytes, "bytes")
     server = OpenAIServer(engine, model_name, tokenizer, max_prompts_per_request, max_queued_tokens)
 
@@ -1113,8 +1124,8 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, tok
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "minivllm", "max_model_len": server.max_model_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "minivllm",
+                                            "max_model_len": server.max_model_len} for name in server.model_names]}
 
     @app.get("/health")
     async def health():
@@ -1178,7 +1189,7 @@ def use_chat_template(tokenizer, template: str) -> None:
     tokenizer.chat_template = template
 
 def serve(model: str | Path | None = None, tensor_parallel_size: int = 1, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, served_model_name: str | None = None, log_level: str = "warning",
+          api_key: str | None = None, served_model_name: str | Sequence[str] | None = None, log_level: str = "warning",
           max_request_bytes: int = MAX_REQUEST_BYTES, max_num_batched_tokens: int | None = None,
           max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST, max_queued_tokens: int = MAX_QUEUED_TOKENS,
           chat_template: str | None = None, header_timeout_s: float = HEADER_TIMEOUT_S,
@@ -1188,6 +1199,7 @@ def serve(model: str | Path | None = None, tensor_parallel_size: int = 1, host: 
     check_limit("max_prompts_per_request", max_prompts_per_request, "prompts")
     check_limit("max_queued_tokens", max_queued_tokens, "tokens")
     protocol = guarded_protocol(header_timeout_s, body_timeout_s, max_connections)  # checks them
+    names = served_names(served_model_name or (str(model) if model is not None else DEFAULT_MODEL_NAME))
     engine_kwargs["max_num_batched_tokens"] = max_num_batched_tokens or SERVE_MAX_NUM_BATCHED_TOKENS
     sock, engine, previous = bind_socket(host, port), None, signal.getsignal(signal.SIGTERM)
     try:
@@ -1197,12 +1209,13 @@ def serve(model: str | Path | None = None, tensor_parallel_size: int = 1, host: 
         tokenizer = load_tokenizer(Path(engine.args.model))
         if chat_template is not None:
             use_chat_template(tokenizer, chat_template)
-        name = served_model_name or (str(model) if model is not None else DEFAULT_MODEL_NAME)
-        app = build_app(engine, name, api_key, tokenizer, max_request_bytes, max_prompts_per_request, max_queued_tokens)
+        app = build_app(engine, names, api_key, tokenizer, max_request_bytes, max_prompts_per_request, max_queued_tokens)
         config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3, http=protocol)
         server = _Server(config, engine)
         shown = f"[{host}]" if ":" in host else host
-        logger.info(f"serving {name!r} at http://{shown}:{sock.getsockname()[1]}/v1 (Ctrl-C or SIGTERM stops it)")
+        also = f" (also as {', '.join(map(repr, names[1:]))})" if len(names) > 1 else ""
+        url = f"http://{shown}:{sock.getsockname()[1]}/v1"
+        logger.info(f"serving {names[0]!r}{also} at {url} (Ctrl-C or SIGTERM stops it)")
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
         gc.collect()
         gc.freeze()  # subtle: what start-up made lives as long as the server: later collections need not walk it
