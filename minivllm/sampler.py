@@ -17,7 +17,7 @@ from .layers.embed_head import first_max
 __all__ = ['MASK32', 'PHILOX_MULTIPLIERS', 'PHILOX_KEY_STEPS', 'NOISE_CHUNK', 'GREEDY_TEMPERATURE', 'apply_top_k_top_p',
            'apply_min_p', 'philox4x32', 'int64_seed', 'seeded_noise', 'to_device', 'random_seeds', 'row_keys',
            'exponential_noise', 'check_sampling_inputs', 'Sampler', 'apply_penalties', 'mask_tokens', 'add_logit_bias',
-           'token_logprobs', 'tokens_and_logprobs']
+           'token_logprobs', 'tokens_and_logprobs', 'logprob_table', 'read_logprob_table']
 
 # %% ../nbs/05a_sampler.ipynb #344dc417
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
@@ -258,17 +258,28 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Seque
 def tokens_and_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int | None]
                         ) -> tuple[list[int], list[dict[int, float] | None]]:
     "`token_ids` as a list, and `token_logprobs`: one read of the device for both."
+    return read_logprob_table(logprob_table(logits, token_ids, num_top).tolist(), len(token_ids), num_top)
+
+def logprob_table(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int | None]) -> torch.Tensor:
+    "The sampled tokens, then for each row that asks: its token, that token's log-probability, its top ids and theirs; one float64 vector, still on the device."
     wanted = [i for i, k in enumerate(num_top) if k is not None]
-    out: list[dict[int, float] | None] = [None] * len(num_top)
     if not wanted:
-        return token_ids.tolist(), out
+        return token_ids.double()
     logprobs = torch.log_softmax(logits[wanted].float(), dim=-1)
     chosen_ids = token_ids[wanted].view(-1, 1)
     k = max(num_top[i] for i in wanted)
     top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
     table = torch.cat([t.double() for t in (chosen_ids, logprobs.gather(1, chosen_ids), top_ids, top_lp)], dim=1)
-    # subtle: one read of it all, as float64, which holds token ids and float32 log-probabilities exactly
-    flat, n, width = torch.cat([token_ids.double(), table.flatten()]).tolist(), len(token_ids), table.shape[1]
+    # subtle: float64 holds token ids and float32 log-probabilities exactly: one read takes it all
+    return torch.cat([token_ids.double(), table.flatten()])
+
+def read_logprob_table(flat: list[float], num_tokens: int, num_top: Sequence[int | None]
+                       ) -> tuple[list[int], list[dict[int, float] | None]]:
+    "`logprob_table`'s vector, read: the tokens, and per row `{token id: log-probability}` (None where not asked)."
+    wanted = [i for i, k in enumerate(num_top) if k is not None]
+    out: list[dict[int, float] | None] = [None] * len(num_top)
+    k = max((num_top[i] for i in wanted), default=0)
+    width, n = 2 + 2 * k, num_tokens
     for row, i in enumerate(wanted):
         token, lp, *top = flat[n + row * width:n + (row + 1) * width]
         out[i] = dict(zip(map(int, top[:num_top[i]]), top[k:k + num_top[i]]))

@@ -14,7 +14,7 @@ import socket
 import struct
 import time
 import traceback
-from collections import Counter
+from collections import Counter, deque
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
@@ -395,13 +395,18 @@ class FakeRunner:
     def __init__(self, num_blocks: int, block_size: int):
         self.block_size, self.cache = block_size, [None] * (num_blocks * block_size)
         self.rows: dict[int, list[int]] = {}  # the block tables as a rank keeps them, from the steps' updates only
+        self.sampled: list[int | None] = []  # the last step's tokens, which the next may read before they land
 
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         bs, step = self.block_size, batch.step  # the step message the scheduler wrote (notebook 08c)
         for row, first, blocks in step.table_updates:  # as notebook 06's BlockTables, in plain lists
             assert first <= len(self.rows.get(row, [])), f"row {row} misses blocks before {first}"
             self.rows[row] = self.rows.get(row, [])[:first] + list(blocks)
-        for slot, token in zip(step.slot_mapping, step.input_ids, strict=True):
+        input_ids = list(step.input_ids)
+        for row, source in step.pending or ():  # tokens of the step before, not landed yet: as the runner fills them
+            assert self.sampled[source] is not None, f"row {row} reads row {source} of a step that sampled nothing there"
+            input_ids[row] = self.sampled[source]
+        for slot, token in zip(step.slot_mapping, input_ids, strict=True):
             self.cache[slot] = token  # like store_kvcache: every new token first...
         sampled = []
         for row, context_len, samples in zip(step.rows, step.context_lens, batch.samples):
@@ -410,6 +415,7 @@ class FakeRunner:
             context = [self.cache[s] for s in slot_mapping(self.rows[row], 0, context_len, bs)]  # ...then attention
             assert None not in context, f"row {row} read a slot that was never written"
             sampled.append(next_token(context))
+        self.sampled = sampled
         return sampled
 
     def prompt_logprobs(self, batch: ScheduledBatch) -> list[dict[int, float]]:
@@ -438,7 +444,7 @@ def check_batch(scheduler: Scheduler, batch: ScheduledBatch) -> None:
     assert all(s.status.name == SequenceStatus.RUNNING.name for s in batch.seqs)
     if not batch.is_prefill:
         assert batch.num_new_tokens == [1] * batch.num_seqs and all(batch.samples)
-        assert batch.step.context_lens == [s.num_tokens for s in batch.seqs]
+        assert batch.step.context_lens == [s.num_tokens - 1 for s in batch.seqs]  # all but the token it samples
     assert batch.step.num_new_tokens == batch.num_new_tokens and len(batch.step.input_ids) == batch.num_batched_tokens
     for seq, context_len in zip(batch.seqs, batch.step.context_lens):
         assert len(seq.block_table) * bm.block_size >= context_len
@@ -456,27 +462,38 @@ def step_states(scheduler: Scheduler, batch: ScheduledBatch) -> dict[int, str]:
     return states
 
 def run_scheduler(scheduler: Scheduler, requests: list[tuple[list[int], SamplingParams]],
-                  arrivals: list[int] | None = None, runner: FakeRunner | None = None, trace: list | None = None):
-    "Drive `scheduler` with a `FakeRunner` until every request finishes; `(sequences, batches)`, step states into `trace`."
+                  arrivals: list[int] | None = None, runner: FakeRunner | None = None, trace: list | None = None,
+                  ahead: bool = False):
+    "Drive `scheduler` with a `FakeRunner` until every request finishes; `(sequences, batches)`, step states into `trace`. `ahead`: each step is scheduled before the one before it is recorded, as asynchronous scheduling does."
     bm = scheduler.block_manager
     runner = runner or FakeRunner(bm.num_blocks, bm.block_size)
     arrivals = arrivals or [0] * len(requests)
-    seqs, batches, step = [None] * len(requests), [], 0
-    while step <= max(arrivals) or not scheduler.is_finished():
+    seqs, batches, step, flying = [None] * len(requests), [], 0, deque()
+    def land():
+        "Record the oldest computed step."
+        finished = scheduler.postprocess(*flying.popleft())
+        assert all(s.is_finished and s.block_table == [] and s not in scheduler.running for s in finished)
+    while step <= max(arrivals) or not scheduler.is_finished() or flying:
         for i, (prompt, params) in enumerate(requests):
             if arrivals[i] == step:
                 seqs[i] = scheduler.add(prompt, params)
         step += 1
+        assert step < 10_000, "the scheduler does not make progress"
+        if flying and (scheduler.is_finished() or scheduler.needs_landed_tokens()):
+            land()
         if scheduler.is_finished():  # idle until the next arrival
             if trace is not None: trace.append({})
             continue
         batch = scheduler.schedule()
+        if batch is None:  # nothing can run before the step in flight lands
+            land()
+            continue
         check_batch(scheduler, batch)
         if trace is not None: trace.append(step_states(scheduler, batch))
-        finished = scheduler.postprocess(batch, runner.run(batch), None, runner.prompt_logprobs(batch))
-        assert all(s.is_finished and s.block_table == [] and s not in scheduler.running for s in finished)
+        flying.append((batch, runner.run(batch), None, runner.prompt_logprobs(batch)))
         batches.append(batch)
-        assert step < 10_000, "the scheduler does not make progress"
+        if not ahead or len(flying) > 1:
+            land()
     assert bm.num_free_blocks == bm.num_blocks, "blocks left allocated after every request finished"
     return seqs, batches
 

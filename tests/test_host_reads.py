@@ -66,9 +66,8 @@ def test_a_decode_step_reads_the_device_once(runner, params):
     assert len(output.token_ids) == len(params)
     if params is not GREEDY:
         assert len(sampler.reads) == 1 and sampler.reads[0].count == 0, sampler.reads  # the sampler reads nothing
-    sampling = [s for s in reads.sites if "sampler.py" in s or "step.py" in s]
-    assert sampling == ([] if params is not LOGPROBS else [reads.sites[0]]), sampling  # the tokens with their logprobs
-    assert reads.count == 1, reads  # the sampled tokens (with their logprobs when asked), and nothing else
+    # the sampled tokens (with their logprobs when asked) as they land (`PendingOutput.result`), and nothing else
+    assert reads.count == 1 and reads.sites[0].startswith("tolist at step.py"), reads
     sched.postprocess(batch, *output)
 
 

@@ -83,16 +83,17 @@ SETTINGS = {  # the cache size in tokens; the longest request of `workload` need
 }
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "ahead"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_same_tokens_whatever_the_schedule(setting, block_size):
+def test_same_tokens_whatever_the_schedule(setting, block_size, ahead):
     kw = dict(SETTINGS[setting])
     num_blocks = kw.pop("cache_tokens") // block_size
     eos, preemptions, chunked_steps = [3], 0, 0
     for seed in range(3):
         requests = workload(seed)
         sched = make_scheduler(num_blocks, block_size, eos_token_ids=eos, **kw)
-        seqs, batches = run_scheduler(sched, requests, arrivals=[i // 3 for i in range(len(requests))])
+        seqs, batches = run_scheduler(sched, requests, arrivals=[i // 3 for i in range(len(requests))], ahead=ahead)
         assert [s.completion_token_ids for s in seqs] == [reference_tokens(p, sp, eos) for p, sp in requests]
         preemptions += sched.num_preemptions
         chunked_steps += sum(not all(b.samples) for b in batches if b.is_prefill)
@@ -251,8 +252,9 @@ def test_max_model_len_caps_prompt_and_output():
     assert seq.num_completion_tokens == 1
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "ahead"])
 @pytest.mark.parametrize("seed", range(40))
-def test_random_workloads_and_settings(seed):
+def test_random_workloads_and_settings(seed, ahead):
     "Random workloads under random budgets, block sizes and arrival times: the reference's tokens, budgets kept."
     rng = random.Random(1000 + seed)
     block_size = rng.choice([1, 2, 4, 8])
@@ -264,9 +266,90 @@ def test_random_workloads_and_settings(seed):
               max_num_batched_tokens=max_num_seqs + rng.randrange(0, 40), eos_token_ids=[rng.randrange(FAKE_VOCAB)])
     sched = make_scheduler(**kw)
     arrivals = sorted(rng.randrange(0, 20) for _ in requests)
-    seqs, _ = run_scheduler(sched, requests, arrivals)
+    seqs, _ = run_scheduler(sched, requests, arrivals, ahead=ahead)
     assert [s.completion_token_ids for s in seqs] == \
            [reference_tokens(p, sp, kw["eos_token_ids"]) for p, sp in requests]
+
+
+# ---------------------------------------------------------------------------------------------- scheduling ahead
+
+def test_a_step_scheduled_ahead_names_the_tokens_on_their_way():
+    "The next decode is scheduled before the step before lands: its input rows point at that step's sampled rows."
+    sched, runner = make_scheduler(), FakeRunner(64, 4)
+    a, b = sched.add([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True)), sched.add([4, 5], SamplingParams(max_tokens=5, ignore_eos=True))
+    prefill = sched.schedule()
+    assert (a.num_pending, b.num_pending, a.num_tokens, a.completion_token_ids) == (1, 1, 4, [])
+    first = runner.run(prefill)
+    decode = sched.schedule()  # before the prefill's tokens landed
+    assert not decode.is_prefill and decode.step.pending == [(0, 0), (1, 1)] and decode.step.input_ids == [0, 0]
+    assert decode.step.positions == [3, 2] and (a.num_pending, a.num_tokens) == (2, 5)
+    second = runner.run(decode)  # the fake runner takes the pending tokens from the prefill's, as a GPU would
+    sched.postprocess(prefill, first)
+    assert (a.completion_token_ids, a.num_pending) == ([first[0]], 1)
+    with pytest.raises(RuntimeError, match="in the order schedule"):
+        sched.postprocess(sched.schedule(), [0, 0])  # a third step: the second is still the oldest
+    sched.postprocess(decode, second)
+    assert a.completion_token_ids == reference_tokens([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+
+
+def test_a_sequence_whose_tokens_on_their_way_end_it_is_not_scheduled_again():
+    sched, runner = make_scheduler(), FakeRunner(64, 4)
+    seq = sched.add([1, 2, 3], SamplingParams(max_tokens=1, ignore_eos=True))
+    prefill = sched.schedule()
+    assert sched.schedule() is None  # its one token is on its way: nothing else to run until it lands
+    (done,) = sched.postprocess(prefill, runner.run(prefill))
+    assert done is seq and seq.finish_reason == "length" and sched.is_finished()
+    sched = make_scheduler(max_model_len=5)
+    seq = sched.add([1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True))
+    flying = [sched.schedule()]
+    flying.append(sched.schedule())  # position 3: its last token is the one this step samples (max_model_len 5)
+    assert sched.schedule() is None
+    for batch in flying:
+        sched.postprocess(batch, [7])
+    assert (seq.finish_reason, seq.num_tokens, len(seq.block_table)) == ("length", 5, 0)
+
+
+def test_a_sequence_that_stops_while_its_next_step_is_in_flight_drops_that_step():
+    eos = 9
+    sched = make_scheduler(eos_token_ids=[eos])
+    stopping, going = sched.add([1, 2], SamplingParams(max_tokens=8)), sched.add([3, 4], SamplingParams(max_tokens=8))
+    prefill = sched.schedule()
+    decode = sched.schedule()
+    assert sched.postprocess(prefill, [eos, 5]) == [stopping]  # EOS lands while the decode is in flight
+    assert stopping.is_finished and stopping.num_pending == 0 and stopping.block_table == []
+    assert sched.postprocess(decode, [6, 6]) == []  # its token from the decode is dropped
+    assert (stopping.completion_token_ids, going.completion_token_ids) == ([eos], [5, 6])
+    aborted = going
+    later = sched.schedule()
+    sched.abort(aborted)  # a stop string, a client gone: ended while a step for it is in flight
+    assert sched.postprocess(later, [1]) == [] and aborted.completion_token_ids == [5, 6]
+    assert sched.is_finished() and sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_a_sequence_preempted_with_tokens_on_their_way_gets_them_and_is_recomputed():
+    sched = make_scheduler(num_blocks=4, block_size=2, max_num_seqs=2, max_num_batched_tokens=8)
+    old, new = sched.add([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)), sched.add([4], SamplingParams(max_tokens=6, ignore_eos=True))
+    prefill = sched.schedule()  # old: 2 blocks, new: 1, one free
+    decode = sched.schedule()  # ahead: old's token at position 3 fits, new's at 1 too
+    third = sched.schedule()  # further ahead: old takes the free block; new needs one too and goes
+    assert third.preempted == [new] and third.seqs == [old]
+    assert new.status is SequenceStatus.WAITING and new.num_pending == 2 and new.block_table == []
+    sched.postprocess(prefill, [11, 12])
+    sched.postprocess(decode, [13, 14])
+    assert new.completion_token_ids == [12, 14] and new.num_pending == 0  # landed, though it holds no blocks now
+    assert sched.postprocess(third, [15]) == [old]
+    recompute = sched.schedule()
+    assert recompute.is_prefill and recompute.seqs == [new] and recompute.step.input_ids == [4, 12, 14]
+
+
+def test_penalties_make_the_next_step_wait_for_the_tokens_it_counts():
+    sched = make_scheduler()
+    sched.add([1, 2], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert not sched.needs_landed_tokens() and sched.schedule() and not sched.needs_landed_tokens()
+    penalised = make_scheduler()
+    penalised.add([1, 2], SamplingParams(max_tokens=4, presence_penalty=0.5))
+    penalised.schedule()
+    assert penalised.needs_landed_tokens()  # its next step counts the token on its way: schedule once it lands
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -316,13 +399,15 @@ def test_schedule_and_postprocess_misuse():
     assert sched.postprocess(batch, [None]) == []  # a chunk samples nothing
     with pytest.raises(RuntimeError, match="call postprocess exactly once for each batch"):
         sched.postprocess(batch, [None])
-    batch = sched.schedule()  # the last 4 tokens: samples
+    batch = sched.schedule()  # the last 4 tokens: samples a token, on its way until postprocess
+    state = lambda: (seq.num_computed_tokens, seq.num_tokens, seq.num_pending, list(seq.token_ids), len(sched.in_flight))
+    assert state() == (12, 13, 1, list(range(12)), 1)
     for bad in (None, -5, 2.0):
         with pytest.raises(ValueError, match=r"the token sampled for sequence 0 must be a token id"):
             sched.postprocess(batch, [bad])
-        assert (seq.num_computed_tokens, seq.num_tokens) == (8, 12)  # a refused call changes nothing
+        assert state() == (12, 13, 1, list(range(12)), 1)  # a refused call changes nothing
     sched.postprocess(batch, [7])
-    assert (seq.num_computed_tokens, seq.completion_token_ids) == (12, [7])
+    assert (seq.num_computed_tokens, seq.completion_token_ids, seq.num_pending) == (12, [7], 0)
 
 
 def test_sequence_ids_belong_to_their_scheduler():

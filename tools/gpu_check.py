@@ -528,12 +528,13 @@ def greedy_equivalence(folder: Path, device: torch.device, new_tokens: int, back
                          max_num_seqs=16, attention_backend=backend) as llm:
                     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
                                         use_tqdm=False)
+                    ahead = llm.llm_engine.args.async_scheduling
                 same = sum(o.token_ids == r for o, r in zip(outs, reference))
                 # subtle: a part where transformers' own two logits lie within float rounding of each other is a tie
                 # that any other order of the same sums may break the other way; a wide gap would be a bug
                 parts = [logit_gap(path, p, o.token_ids, r, getattr(torch, dtype), device)
                          for p, o, r in zip(prompts, outs, reference) if o.token_ids != r]
-                rows.append(dict(model=name, dtype=dtype, graphs=not eager, equal=same, prompts=len(prompts),
+                rows.append(dict(model=name, dtype=dtype, graphs=not eager, ahead=ahead, equal=same, prompts=len(prompts),
                                  parts=parts))
     return rows
 
@@ -573,8 +574,9 @@ def run_workload(path: Path, workload: Workload, device: torch.device, eager: bo
         outs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
         sync(device)
         seconds = time.perf_counter() - start
+        ahead = llm.llm_engine.args.async_scheduling
     assert [len(o.token_ids) for o in outs] == workload.output_lens
-    return dict(graphs=not eager, requests=len(workload.prompts), output_tokens=workload.output_tokens,
+    return dict(graphs=not eager, ahead=ahead, requests=len(workload.prompts), output_tokens=workload.output_tokens,
                 seconds=round(seconds, 2), tokens_per_s=round(workload.output_tokens / seconds, 1),
                 warm_up_prefix_hit_tokens=hits)
 
@@ -735,10 +737,12 @@ def table(results: dict) -> str:
         add("attention backend", results["attention_backend"] or "automatic")
     for r in results.get("greedy_equivalence", []):
         gaps = ", ".join(f"step {p['step']}: gap {p['gap']:.2g} of logits up to {p['max_logit']:.2g}" for p in r["parts"])
-        add(f"greedy vs transformers: {r['model']} {r['dtype']}, {'graphs' if r['graphs'] else 'eager'}",
+        add(f"greedy vs transformers: {r['model']} {r['dtype']}, {'graphs' if r['graphs'] else 'eager'}"
+            f"{', scheduled ahead' if r.get('ahead') else ''}",
             f"{r['equal']}/{r['prompts']}", f"where they part, transformers' own logit gap: {gaps}" if gaps else "")
     for r in results.get("workload", []):
-        add(f"workload ({r['requests']} requests), {'graphs' if r['graphs'] else 'eager'}",
+        add(f"workload ({r['requests']} requests), {'graphs' if r['graphs'] else 'eager'}"
+            f"{', scheduled ahead' if r.get('ahead') else ''}",
             f"{r['tokens_per_s']:,.0f} tok/s", f"{r['output_tokens']:,} tokens in {r['seconds']} s, after a warm-up "
             f"(prefix-cache hit: {r['warm_up_prefix_hit_tokens']} tokens)")
     if len(results.get("workload", [])) == 2:

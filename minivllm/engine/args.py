@@ -45,6 +45,8 @@ class EngineArgs:
     # one attention backend for every layer (notebook 06a: ours or vLLM's name); None: MINIVLLM_ATTENTION_BACKEND
     # if set, else the fastest that can run each call
     attention_backend: str | None = None
+    # schedule and launch the next step before this one's tokens land (notebook 11b); None: on a GPU at one rank
+    async_scheduling: bool | None = None
 
     def __new__(cls, *args, **kwargs):
         "Refuse an unknown keyword (of `LLM(...)` too) by naming the ones that exist."
@@ -83,6 +85,13 @@ class EngineArgs:
                 raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} over nnodes={self.nnodes} needs "
                                  f"{ranks_here} GPUs per machine, but {torch.cuda.device_count()} are visible: lower "
                                  "tensor_parallel_size, or spread it over more machines")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be True, False or None (the default), got {self.async_scheduling!r}")
+        if self.async_scheduling is None:  # subtle: a CPU step has run when it is launched: nothing to overlap
+            self.async_scheduling = self.device == "cuda" and self.tensor_parallel_size == 1
+        elif self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling runs at tensor_parallel_size=1 only (the other ranks would need the "
+                             "tokens still on rank 0's device): leave it unset, or use one rank")
 
     def model_config(self) -> Config:
         "The checkpoint's `Config`, checked against `tensor_parallel_size` (errors name the fix)."

@@ -9,7 +9,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .step import StepInputs
+from .step import StepInputs, fill_pending
 from ..kv_cache import AttentionMetadata, BlockTables
 from ..sampler import GREEDY_TEMPERATURE, int64_seed, random_seeds
 
@@ -75,8 +75,9 @@ class DecodeBuffers:
         self.block_tables = torch.full((max_batch, max_blocks), -1, dtype=torch.int32, device=device)
         self._copied = None  # a GPU's event after the last copy: the next fill waits before writing the staging
 
-    def fill(self, step: StepInputs, bucket: int, tables: BlockTables | None = None, draws: GraphDraws | None = None) -> None:
-        "Copy a decode step (notebook 08c) of `len(step.input_ids)` sequences into the first rows, its block tables from the rank's `tables` (or its own) and its `draws`; pad the rest of `bucket` rows."
+    def fill(self, step: StepInputs, bucket: int, tables: BlockTables | None = None, draws: GraphDraws | None = None,
+             sampled: torch.Tensor | None = None) -> None:
+        "Copy a decode step (notebook 08c) of `len(step.input_ids)` sequences into the first rows, its block tables from the rank's `tables` (or its own), its `draws` and its pending tokens from the step before's `sampled`; pad the rest of `bucket` rows."
         n = len(step.input_ids)
         if not n <= bucket <= self.max_batch:
             raise ValueError(f"a batch of {n} needs a bucket of at least {n} and at most {self.max_batch}, got {bucket}")
@@ -88,6 +89,7 @@ class DecodeBuffers:
         for row, values, pad in zip(self._staged, columns + (draws[2:] if draws else ()), self.PADDING):
             row[:n], row[n:bucket] = values, pad
         self.inputs.copy_(self.staging, non_blocking=True)  # positions and slots as the scheduler wrote them
+        fill_pending(self.input_ids, step.pending, sampled)  # tokens that have not landed, device to device
         if draws:
             for row, values in zip(self._float_staged, draws[:2]):
                 row[:n], row[n:bucket] = values, 0.0
@@ -150,11 +152,12 @@ class DecodeGraphs:
         "The step's settings for the draw in the graph, or None where its rows need the logits (`GraphDraws.of_step`)."
         return GraphDraws.of_step(step, self.model.config.vocab_size, generator)
 
-    def run(self, step: StepInputs, tables: BlockTables | None = None, draws: GraphDraws | None = None):
-        "A decode step (its block tables in the rank's `tables`, or its own) by replaying the smallest bucket that holds it: hidden states `[B, hidden]`, or with a draw `(logits, tokens)` (tokens worth reading where `draws` is given)."
+    def run(self, step: StepInputs, tables: BlockTables | None = None, draws: GraphDraws | None = None,
+            sampled: torch.Tensor | None = None):
+        "A decode step (its block tables in the rank's `tables`, or its own) (its pending tokens from `sampled`) by replaying the smallest bucket that holds it: hidden states `[B, hidden]`, or with a draw `(logits, tokens)` (tokens worth reading where `draws` is given)."
         n = len(step.input_ids)
         size = pick_graph_batch_size(n, self.sizes)
-        self.buffers.fill(step, size, tables, draws)
+        self.buffers.fill(step, size, tables, draws, sampled)
         self.graphs[size].replay()
         out = self.outputs[size]
         return out[:n] if self.draw is None else (out[0][:n], out[1][:n])

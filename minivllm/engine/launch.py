@@ -17,8 +17,8 @@ from fastcore.basics import patch
 from ..distributed import NodeLayout, RankFailure, StoreKey, listen_socket, store_server
 from .ipc import ShmCommandChannel
 from .args import EngineArgs
-from .model_runner import ModelRunner, execute_step
-from .step import StepInputs, StepOutput
+from .model_runner import ModelRunner, launch_step
+from .step import PendingOutput, StepInputs, StepOutput
 
 if TYPE_CHECKING:  # subtle: several machines (notebooks 09a, 10a) are imported where an engine spans them, only there
     from minivllm.cluster import ClusterKey, GlooCommandChannel, HeartbeatMonitor
@@ -152,10 +152,23 @@ def start(self: Ranks) -> EngineArgs:
 @patch
 def run(self: Ranks, step: StepInputs) -> StepOutput:
     "Compute one step on every rank; rank 0's sampled tokens (notebook 11's `execute_step`)."
+    return self.land(self.launch(step))
+
+@patch
+def launch(self: Ranks, step: StepInputs) -> PendingOutput:
+    "Start one step on every rank; rank 0's output on its way (notebook 11's `launch_step`), which `.result()` reads."
     if self.runner is None:
         raise RuntimeError("the ranks are closed: start an engine again")
     self._in_step = True
-    output = execute_step(step, self.runner, self.channel, self.remote)
+    launched = launch_step(step, self.runner, self.channel, self.remote)
+    self._in_step = False
+    return launched
+
+@patch
+def land(self: Ranks, launched: PendingOutput) -> StepOutput:
+    "Rank 0's output of a launched step, once it has landed: where the host waits for the device."
+    self._in_step = True  # subtle: an interruption here leaves the step unfinished on the device
+    output = launched.result()
     self._in_step = False
     return output
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections import deque
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,7 +19,8 @@ from .block_manager import BlockManager
 from .launch import Ranks
 from .args import EngineArgs
 from .model_runner import ModelRunner
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
+from .step import PendingOutput
 from ..sampling_params import SamplingParams
 from .sequence import Sequence
 from ..sampling_params import ParamError
@@ -43,6 +45,7 @@ class LLMEngine:
         self.args = args = self.ranks.start()  # on failure, what had started is stopped
         self.scheduler = Scheduler(BlockManager(self.runner.num_blocks, args.kvcache_block_size), args.max_num_seqs,
                                    args.max_num_batched_tokens, args.max_model_len, self.config.eos_token_ids)
+        self.in_flight: deque[tuple[ScheduledBatch, PendingOutput]] = deque()  # launched, not yet recorded
 
     @property
     def runner(self) -> ModelRunner:
@@ -117,12 +120,34 @@ def abort(self: LLMEngine, seqs: list[Sequence], reason: str = "abort") -> None:
 # %% ../../nbs/11b_llm_engine.ipynb #a92c18d5
 @patch
 def step(self: LLMEngine) -> tuple[list[Sequence], dict]:
-    "Schedule and compute one batch; the sequences it finished, and its stats (kind, tokens, seconds, sequences)."
-    start = time.perf_counter()
+    "Schedule and launch one batch, then record the oldest launched one as its tokens land; the sequences it finished, and its stats (kind, tokens, seconds, sequences)."
+    start, sched, landed = time.perf_counter(), self.scheduler, None
     self.runner  # raises if the engine is closed
-    batch = self.scheduler.schedule()
+    if self.in_flight and (sched.is_finished() or sched.needs_landed_tokens()):
+        landed = self._land(start)  # the next step needs what the one in flight computes (or nothing is left)
+    # None: nothing can run before the step in flight lands (or nothing is left once it has)
+    batch = None if landed is not None and sched.is_finished() else sched.schedule()
+    if batch is not None:
+        self.in_flight.append((batch, self._guarded(self.ranks.launch, batch.step)))  # every rank's share (notebook 11a)
+    if landed is None and (batch is None or len(self.in_flight) > 1 or not self.args.async_scheduling):
+        landed = self._land(start)
+    # subtle: a first step scheduled ahead returns before anything has landed
+    return landed or ([], dict(prefill=batch.is_prefill, tokens=0, seconds=time.perf_counter() - start, seq_ids=[],
+                               sampled=[]))
+
+@patch
+def _land(self: LLMEngine, start: float) -> tuple[list[Sequence], dict]:
+    "Wait for the oldest launched step's tokens and record them; the sequences it finished, and its stats."
+    batch, launched = self.in_flight.popleft()
+    finished = self.scheduler.postprocess(batch, *self._guarded(self.ranks.land, launched))
+    return finished, dict(prefill=batch.is_prefill, tokens=batch.num_batched_tokens, seconds=time.perf_counter() - start,
+                          seq_ids=[s.seq_id for s in batch.seqs], sampled=[s for s, took in zip(batch.seqs, batch.samples) if took])
+
+@patch
+def _guarded(self: LLMEngine, call, *args):
+    "`call(*args)`: the ranks at work on a step; what goes wrong there shuts the engine down, saying why."
     try:
-        output = self.ranks.run(batch.step)  # every rank's share (notebook 11a); what follows is what a long-lived engine adds
+        return call(*args)  # what follows is what a long-lived engine adds
     except BaseException as e:
         failure = self.ranks.failure() if isinstance(e, Exception) else None
         self.close()
@@ -131,7 +156,3 @@ def step(self: LLMEngine) -> tuple[list[Sequence], dict]:
         if isinstance(e, KeyboardInterrupt):
             raise KeyboardInterrupt("interrupted in the middle of a step: the engine has shut down") from e
         raise
-    finished = self.scheduler.postprocess(batch, *output)
-    stats = dict(prefill=batch.is_prefill, tokens=batch.num_batched_tokens, seconds=time.perf_counter() - start,
-                 seq_ids=[s.seq_id for s in batch.seqs], sampled=[s for s, took in zip(batch.seqs, batch.samples) if took])
-    return finished, stats

@@ -25,18 +25,18 @@ from ..config import Config, check_positive_int
 from ..distributed import NodeLayout, ProcessGroupCommunicator
 from ..shm_allreduce import make_communicator
 from .args import EngineArgs
-from .step import StepInputs, StepOutput
+from .step import PendingOutput, StepInputs, StepOutput, fill_pending
 from ..attention import cpu_decode_kernel
 from ..kv_cache import (BlockTables, allocate_kv_cache, blocks_for_budget, cpu_kv_cache_budget, cuda_kv_cache_budget,
                                kv_cache_bytes_per_block)
-from ..sampler import Sampler, token_logprobs, tokens_and_logprobs
+from ..sampler import Sampler, logprob_table, token_logprobs
 from ..models import build_model, load_checkpoint
 
 if TYPE_CHECKING:  # subtle: several machines (notebooks 09a, 10a) are imported where they are used, never by one machine's engine
     from minivllm.cluster import ClusterKey
 
 # %% auto #0
-__all__ = ['PROMPT_LOGPROB_ROWS', 'split_step', 'ModelRunner', 'execute_step']
+__all__ = ['PROMPT_LOGPROB_ROWS', 'split_step', 'ModelRunner', 'execute_step', 'launch_step']
 
 # %% ../../nbs/11_model_runner.ipynb #daeb0912
 def split_step(step: StepInputs, parts: int) -> list[StepInputs]:
@@ -157,6 +157,7 @@ def _build(self: ModelRunner) -> None:
     self.sampler = Sampler(self._one_pass_draw()) if rank == 0 else None
     self.generator = torch.Generator(self.device).manual_seed(args.seed)
     self.host_generator = torch.Generator().manual_seed(args.seed)  # seeds of unseeded rows drawn inside a graph
+    self.sampled: torch.Tensor | None = None  # rank 0: the last step's tokens on the device, which the next may read
     # the block tables of the running sequences, a row each, which every step updates where they changed (notebook 06)
     self.tables = BlockTables(args.max_num_seqs, math.ceil(self.max_model_len / self.block_size), self.device)
     self.warmup()
@@ -249,11 +250,12 @@ def _agree_on_blocks(self: ModelRunner, num_blocks: int) -> int:
 @patch
 def _last_hidden(self: ModelRunner, step: StepInputs, kv_cache: torch.Tensor | None) -> torch.Tensor:
     "Final hidden states `[B, hidden]` at each sequence's last new token (then at the step's prompt_logprob_rows)."
-    self.tables.update(step.table_updates)  # subtle: once a step, before it is split into streams
+    if step.table_updates:  # a sequence entered its row, or gained a block
+        self.tables.update(step.table_updates)  # subtle: once a step, before it is split into streams
     if (kv_cache is not None and self.graphs is not None and not step.is_prefill
             and self.graphs.can_run(len(step.input_ids))):  # replay a captured decode graph
-        return self.graphs.run(step, self.tables)  # the real rows only
-    streams = self._num_streams(step) if kv_cache is not None else 1
+        return self.graphs.run(step, self.tables, sampled=self.sampled)  # the real rows only
+    streams = self._num_streams(step) if kv_cache is not None and step.is_prefill else 1
     if streams > 1:
         return self._streamed_hidden(split_step(step, streams), kv_cache)
     return self._hidden_at_last_tokens(step, kv_cache)
@@ -264,6 +266,8 @@ def _hidden_at_last_tokens(self: ModelRunner, step: StepInputs, kv_cache: torch.
     dev = self.device
     input_ids = torch.tensor(step.input_ids, dtype=torch.int64, device=dev)
     positions = torch.tensor(step.positions, dtype=torch.int64, device=dev)
+    if step.pending:  # tokens of the step before that have not landed (notebook 08c)
+        fill_pending(input_ids, step.pending, self.sampled)
     hidden = self.model(input_ids, positions, kv_cache, step.metadata(dev, self.tables))
     # subtle: logits only at each sequence's last token; the LM head is the costliest layer for small models.
     rows = step.last_token_rows + (step.prompt_logprob_rows or [])
@@ -302,9 +306,15 @@ def _forward(self: ModelRunner, step: StepInputs, kv_cache: torch.Tensor | None)
     return self.model.compute_logits(self._last_hidden(step, kv_cache))  # subtle: outside any CUDA graph
 
 @patch
-@torch.no_grad()
 def run(self: ModelRunner, step: StepInputs) -> StepOutput | None:
     "Compute one step on this rank; rank 0 returns the sampled token ids (and logprobs), the others None."
+    launched = self.launch(step)
+    return None if launched is None else launched.result()
+
+@patch
+@torch.no_grad()
+def launch(self: ModelRunner, step: StepInputs) -> PendingOutput | None:
+    "Start one step on this rank (on a GPU the host goes on while it runs); rank 0 gets its output on its way, the others None."
     sampling = step.sampling  # rank 0's (notebook 08c): None in a plain greedy step, and on the other ranks
     if step.num_threads is not None and step.num_threads != torch.get_num_threads():
         torch.set_num_threads(step.num_threads)
@@ -312,9 +322,9 @@ def run(self: ModelRunner, step: StepInputs) -> StepOutput | None:
     if self._draws_in_graph(step):  # one rank, a decode a graph holds with its LM head and draw
         self.tables.update(step.table_updates)
         draws = self.graphs.draws_of(step, self.host_generator)
-        logits, tokens = self.graphs.run(step, self.tables, draws)
+        logits, tokens = self.graphs.run(step, self.tables, draws, self.sampled)
         if draws is not None:
-            return StepOutput(tokens.tolist())  # subtle: the step's one read of the device
+            return self._output(tokens)
     else:
         hidden = self._last_hidden(step, self.kv_cache)
         if step.prompt_logprob_rows:  # subtle: on every rank, before the sampled tokens' LM head (it is collective)
@@ -322,15 +332,22 @@ def run(self: ModelRunner, step: StepInputs) -> StepOutput | None:
             hidden, prompt_logprobs = hidden[:num_seqs], self._prompt_logprobs(hidden[num_seqs:], sampling)
         if step.greedy:
             tokens = self.model.greedy_tokens(hidden)
-            return StepOutput(tokens.tolist(), None, prompt_logprobs) if self.rank == 0 else None
+            return self._output(tokens, prompt_logprobs=prompt_logprobs) if self.rank == 0 else None
         logits = self.model.compute_logits(hidden)
         if self.rank != 0:
             return None
     s, raw = sampling, logits
     tokens = self.sampler(s.apply(logits), s.temperatures, s.top_ks, s.top_ps, s.seeds, s.steps, self.generator, s.min_ps)
-    if s.num_logprobs is None:
-        return StepOutput(tokens.tolist(), None, prompt_logprobs)  # subtle: the step's one read of the device
-    return StepOutput(*tokens_and_logprobs(raw, tokens, s.num_logprobs), prompt_logprobs)
+    return self._output(tokens, raw, s.num_logprobs, prompt_logprobs)
+
+@patch
+def _output(self: ModelRunner, tokens: torch.Tensor, logits: torch.Tensor | None = None,
+            num_logprobs: list[int | None] | None = None, prompt_logprobs=None) -> PendingOutput:
+    "A step's tokens (with their logprobs when asked) on their way to the host; the tokens stay on the device for the next step."
+    self.sampled = tokens
+    # subtle: the logprobs computed now, from this step's logits, which a replayed graph of the next step overwrites
+    values = tokens if num_logprobs is None else logprob_table(logits, tokens, num_logprobs)
+    return PendingOutput(values, len(tokens), num_logprobs, prompt_logprobs)
 
 @patch
 def _draws_in_graph(self: ModelRunner, step: StepInputs) -> bool:
@@ -355,6 +372,10 @@ def _prompt_logprobs(self: ModelRunner, hidden: torch.Tensor, sampling) -> list[
 # %% ../../nbs/11_model_runner.ipynb #076c8c29
 def execute_step(step: StepInputs, runner: ModelRunner, channel=None, remote=None) -> StepOutput:
     "Compute one step on every rank: send it to the workers behind `channel` and `remote` (without waiting), run rank 0's share; the sampled tokens."
+    return launch_step(step, runner, channel, remote).result()
+
+def launch_step(step: StepInputs, runner: ModelRunner, channel=None, remote=None) -> PendingOutput:
+    "`execute_step` without waiting for the tokens: rank 0's output on its way (`.result()` reads it)."
     policy = runner.threads
     if policy is not None:  # the CPU's threads, asked again only once the load may have changed (notebook 04b)
         step.num_threads = policy.choose() if time.monotonic() >= policy.next_check_at else policy.threads
@@ -363,4 +384,4 @@ def execute_step(step: StepInputs, runner: ModelRunner, channel=None, remote=Non
     for workers in (channel, remote):  # this machine's workers (shared memory), the other machines' (notebook 10a)
         if workers is not None:
             workers.call("run", for_workers, wait=False)
-    return runner.run(step)
+    return runner.launch(step)

@@ -40,7 +40,8 @@ class ScheduledBatch:
     def __post_init__(self):
         if not len(self.seqs) == len(self.num_computed_tokens) == len(self.num_new_tokens):
             raise ValueError("a batch needs one computed-token count and one new-token count per sequence")
-        self.samples = [c + n == len(s.token_ids) for s, c, n in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)]
+        self.samples = [c + n == len(s.token_ids) + s.num_pending  # its newest token: landed, or on its way
+                        for s, c, n in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)]
         self.prompt_logprob_rows, start = [], 0
         asked = any(s.prompt_logprobs is not None for s in self.seqs)
         for i, (s, c, n) in enumerate(zip(self.seqs, self.num_computed_tokens, self.num_new_tokens) if asked else ()):
@@ -56,7 +57,11 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
     def masked_token_ids(self) -> list[list[int]] | None:
         "Per sequence, the tokens it must not sample now: EOS and its stop tokens while it is short of `min_tokens`; None if no sequence is."
-        short = [s.num_completion_tokens < s.sampling_params.min_tokens for s in self.seqs]
+        if not any(s.sampling_params.min_tokens for s in self.seqs):
+            return None  # where most steps end: a cheaper look than the count below
+        # subtle: counted from the batch, not the sequence, which scheduling ahead may have moved on since
+        short = [max(c + n - s.num_prompt_tokens, 0) < s.sampling_params.min_tokens
+                 for s, c, n in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)]
         if not any(short):
             return None
         # subtle: EOS is held back even with ignore_eos (vLLM does the same): min_tokens means "not before"
@@ -84,11 +89,15 @@ class ScheduledBatch:
         sampling = None if greedy and not self.prompt_logprob_rows else SamplingInputs.from_seqs(
             self.seqs, self.masked_token_ids(), self.prompt_logprob_rows)
         new_token_ids = [s.token_ids[c:c + n] for s, c, n in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)]
+        # a decode whose newest token has not landed: the runner takes it from the step before's sampled tokens
+        pending = [(i, s.sample_row) for i, s in enumerate(self.seqs) if s.num_pending]
+        for i, _ in pending:
+            new_token_ids[i] = [0]
         rows, updates = self.table_updates()
         return StepInputs.build(self.is_prefill, new_token_ids, list(self.num_computed_tokens),
                                 [s.block_table for s in self.seqs], block_size, rows, updates, greedy=greedy,
                                 prompt_logprob_rows=[row for row, _, _ in self.prompt_logprob_rows] or None,
-                                sampling=sampling)
+                                sampling=sampling, pending=pending or None)
 
 
 # %% ../../nbs/09_scheduler.ipynb #2aeb845c
@@ -132,6 +141,7 @@ class Scheduler:
         self.seq_ids = itertools.count()  # this scheduler numbers its sequences
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))  # rows of the ranks' block tables no sequence holds
         self.num_preemptions = 0
+        self.in_flight: deque[ScheduledBatch] = deque()  # scheduled, not yet postprocessed: oldest first
 
     def is_finished(self) -> bool:
         "Whether every sequence added so far has finished."
@@ -157,14 +167,17 @@ class Scheduler:
 
     def abort(self, seq: Sequence, finish_reason: str = "abort") -> None:
         "Stop `seq` now, waiting or running: its blocks are freed and it finishes (reason 'abort'). No-op if finished."
-        if seq.is_finished:
-            return
+        if not seq.is_finished:
+            self._finish(seq, finish_reason)
+
+    def _finish(self, seq: Sequence, finish_reason: str) -> None:
+        "End `seq`: out of its queue, its blocks and row freed; tokens still on their way to it are dropped."
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self._release(seq)
         else:
             self.waiting.remove(seq)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, finish_reason
+        seq.status, seq.finish_reason, seq.num_pending = SequenceStatus.FINISHED, finish_reason, 0
 
     def _place(self, seq: Sequence) -> None:
         "Give a sequence that has just got its blocks a row of the ranks' block tables: its next step sends its table."
@@ -184,12 +197,22 @@ class Scheduler:
 
 # %% ../../nbs/09_scheduler.ipynb #914bb531
 @patch
-def schedule(self: Scheduler) -> ScheduledBatch:
-    "The next step's batch: a prefill batch if there is prompt to compute and room for it, else a decode batch."
+def schedule(self: Scheduler) -> ScheduledBatch | None:
+    "The next step's batch: a prefill batch if there is prompt to compute and room for it, else a decode batch; None if nothing can run before a step in flight lands."
     if self.is_finished():
         raise RuntimeError("nothing to schedule: every sequence has finished (check is_finished() first)")
-    batch = self._schedule_prefill() or self._schedule_decode()
+    has_prompts = bool(self.waiting) or any(s.num_uncomputed_tokens > 1 for s in self.running)
+    batch = (self._schedule_prefill() if has_prompts else None) or self._schedule_decode()
+    if batch is None:
+        return None
     batch.step = batch.step_inputs(self.block_manager.block_size)  # the one description of the step (notebook 08c)
+    # subtle: its work counts now, not when it is recorded: the next step may be scheduled before this one lands
+    for i, (seq, computed, new, samples) in enumerate(zip(batch.seqs, batch.num_computed_tokens, batch.num_new_tokens,
+                                                          batch.samples)):
+        seq.num_computed_tokens = computed + new
+        if samples:  # a token on its way
+            seq.num_pending, seq.sample_row = seq.num_pending + 1, i
+    self.in_flight.append(batch)
     return batch
 
 @patch
@@ -212,8 +235,11 @@ def _schedule_prefill(self: Scheduler) -> ScheduledBatch | None:
         first = seq.shares_prompt_with
         # subtle: another sample of the same prompt waits until the first one's prompt is in the cache, so that
         # its allocation finds every full block of the prompt there instead of computing them a second time
-        if first is not None and not first.is_finished and first.num_computed_tokens < first.num_prompt_tokens:
-            break
+        if first is not None and not first.is_finished and (first.num_computed_tokens < first.num_prompt_tokens
+                                                             or len(first.token_ids) == first.num_prompt_tokens):
+            break  # (its blocks are published when its first token lands)
+        if seq.num_pending:
+            break  # preempted with a token on its way: admitted again once it has landed
         # subtle: the prefix cache holds keys and values, not the logits that a prompt's log-probabilities need
         reuse = not seq.wants_prompt_logprobs
         if not self.block_manager.can_allocate(seq.token_ids if reuse else seq.num_tokens):
@@ -228,21 +254,42 @@ def _schedule_prefill(self: Scheduler) -> ScheduledBatch | None:
                           eos_token_ids=self.eos_token_ids) if seqs else None
 
 @patch
-def _schedule_decode(self: Scheduler) -> ScheduledBatch:
-    "One token for every running sequence, preempting the newest ones while the cache has no room."
-    scheduled, preempted, block_size = [], [], self.block_manager.block_size
+def _schedule_decode(self: Scheduler) -> ScheduledBatch | None:
+    "One token for every running sequence (but those whose tokens on their way end them), preempting the newest ones while the cache has no room."
+    scheduled, computed, kept, preempted, block_size = [], [], [], [], self.block_manager.block_size
     while self.running:
         seq = self.running.popleft()
+        if seq.num_pending and self._ends_by_length(seq):
+            kept.append(seq)  # no step computes past its last token
+            continue
         # the step computes the K/V of the newest token, at position num_tokens - 1: room for num_tokens, which
         # the table has but once in block_size steps
-        if len(seq.token_ids) > len(seq.block_table) * block_size and not self._grow(seq, preempted):
+        num_tokens = seq.num_tokens
+        if num_tokens > len(seq.block_table) * block_size and not self._grow(seq, preempted):
             continue  # preempted itself
+        kept.append(seq)
         scheduled.append(seq)
-    self.running.extend(scheduled)
-    if not scheduled:  # cannot happen: alone in the cache, any accepted sequence fits (see `add`)
+        computed.append(num_tokens - 1)
+    self.running.extend(kept)  # subtle: in admission order, which preemption's newest-first relies on
+    if not scheduled:
+        if self.in_flight:
+            return None  # what can run waits for the tokens on their way
+        # cannot happen: alone in the cache, any accepted sequence fits (see `add`)
         raise RuntimeError("no running sequence fits in the KV cache: the admission checks in add() were bypassed")
-    return ScheduledBatch(scheduled, is_prefill=False, num_computed_tokens=[s.num_tokens - 1 for s in scheduled],
+    return ScheduledBatch(scheduled, is_prefill=False, num_computed_tokens=computed,
                           num_new_tokens=[1] * len(scheduled), preempted=preempted, eos_token_ids=self.eos_token_ids)
+
+@patch
+def _ends_by_length(self: Scheduler, seq: Sequence) -> bool:
+    "Whether `seq`'s tokens so far, landed or on their way, reach its max_tokens or max_model_len."
+    limit = seq.sampling_params.max_tokens or self.max_model_len
+    return seq.num_completion_tokens >= limit or seq.num_tokens >= self.max_model_len
+
+@patch
+def needs_landed_tokens(self: Scheduler) -> bool:
+    "Whether a running sequence's next step reads the values of its tokens on their way (penalties count them): schedule only once they land."
+    return any(s.num_pending and (s.sampling_params.presence_penalty or s.sampling_params.frequency_penalty
+                                  or s.sampling_params.repetition_penalty != 1) for s in self.running)
 
 @patch
 def _grow(self: Scheduler, seq: Sequence, preempted: list[Sequence]) -> bool:
@@ -272,24 +319,24 @@ def _preempt(self: Scheduler, seq: Sequence) -> None:
 def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[int | None],
                 logprobs: list[dict[int, float] | None] | None = None,
                 prompt_logprobs: list[dict[int, float]] | None = None) -> list[Sequence]:
-    "Record a computed step, given one sampled token per sequence (ignored where `batch.samples` is False), its logprobs and the prompt logprobs of `batch.prompt_logprob_rows`; the finished ones."
+    "Record the oldest step not yet recorded, given one sampled token per sequence (ignored where `batch.samples` is False), its logprobs and the prompt logprobs of `batch.prompt_logprob_rows`; the finished ones."
     if len(sampled_token_ids) != batch.num_seqs:
         raise ValueError(f"expected one sampled token per sequence of the batch ({batch.num_seqs}), "
                          f"got {len(sampled_token_ids)}")
     if len(prompt_logprobs or []) != len(batch.prompt_logprob_rows):
         raise ValueError(f"expected a {{token id: logprob}} for each of the batch's {len(batch.prompt_logprob_rows)} "
                          f"prompt_logprob_rows, got {len(prompt_logprobs or [])}")
-    for i, (seq, computed, samples, token) in enumerate(zip(batch.seqs, batch.num_computed_tokens, batch.samples,
-                                                            sampled_token_ids)):
-        if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != computed:
-            raise RuntimeError(f"sequence {seq.seq_id} changed since this batch was scheduled: call postprocess "
-                               "exactly once for each batch, before the next schedule()")
+    if not self.in_flight or self.in_flight[0] is not batch:
+        raise RuntimeError("this batch is not the oldest one scheduled and not yet recorded: call postprocess exactly "
+                           "once for each batch, in the order schedule() gave them")
+    for i, (seq, samples, token) in enumerate(zip(batch.seqs, batch.samples, sampled_token_ids)):
         if samples and (type(token) is not int or token < 0):  # subtle: the runner's tokens come from `.tolist()`
             raise ValueError(f"the token sampled for sequence {seq.seq_id} must be a token id (an integer >= 0), "
                              f"got {token!r}")
         if samples and seq.logprobs is not None and not (logprobs and isinstance(logprobs[i], dict)):
             raise ValueError(f"sequence {seq.seq_id} asked for logprobs: give a {{token id: logprob}} for its token")
     finished = []  # checked everything first: a bad call changes nothing
+    self.in_flight.popleft()
     for (_, i, position), lp in zip(batch.prompt_logprob_rows, prompt_logprobs or []):
         record = batch.seqs[i].prompt_logprobs
         if position == len(record):  # subtle: a prompt computed again after a preemption keeps its first record
@@ -297,26 +344,28 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
     block_size = self.block_manager.block_size
     for i, (seq, computed, new, samples, token) in enumerate(zip(
             batch.seqs, batch.num_computed_tokens, batch.num_new_tokens, batch.samples, sampled_token_ids)):
-        seq.num_computed_tokens = computed + new
-        if seq.num_computed_tokens // block_size > computed // block_size:  # the step filled a block: publish it
-            self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        if seq.status is SequenceStatus.FINISHED:
+            continue  # it ended (a stop, an abort) after this batch was scheduled: what the step computed is dropped
+        # subtle: a sequence preempted since holds no blocks; a running one's tokens up to computed + new have all
+        # landed (the steps before this one were recorded first)
+        if seq.status is SequenceStatus.RUNNING and (computed + new) // block_size > computed // block_size:
+            self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, computed + new)  # filled a block: publish it
         if not samples:
             continue  # a chunk of a prompt: its logits are not the next token's
+        seq.num_pending -= 1
         seq.token_ids.append(int(token))
         if seq.logprobs is not None:
             seq.logprobs.append(logprobs[i])
-        seq.finish_reason = self._finish_reason(seq)
-        if seq.finish_reason is not None:
-            seq.status = SequenceStatus.FINISHED
-            self._release(seq)
-            self.running.remove(seq)
+        if (reason := self._finish_reason(seq)) is not None:
+            self._finish(seq, reason)
             finished.append(seq)
     return finished
 
 @patch
 def _finish_reason(self: Scheduler, seq: Sequence) -> str | None:
     "'stop' after EOS or a stop token (kept in `seq.stop_reason`) with at least min_tokens tokens before it, 'length' at max_tokens or max_model_len, else None."
-    params, token, generated = seq.sampling_params, seq.last_token, seq.num_completion_tokens
+    params, token = seq.sampling_params, seq.token_ids[-1]
+    generated = len(seq.token_ids) - seq.num_prompt_tokens  # landed: not those on their way
     # subtle: the sampler never picks EOS or a stop token while fewer than min_tokens tokens precede it
     # (`masked_token_ids`); the same rule here holds for any other source of tokens, whatever ignore_eos says
     if generated > params.min_tokens:
@@ -325,6 +374,6 @@ def _finish_reason(self: Scheduler, seq: Sequence) -> str | None:
         if token in params.stop_token_ids:
             seq.stop_reason = token  # as vLLM: a stop token names itself (EOS, looked at first, does not)
             return "stop"
-    if generated >= (params.max_tokens or self.max_model_len) or seq.num_tokens >= self.max_model_len:
+    if generated >= (params.max_tokens or self.max_model_len) or len(seq.token_ids) >= self.max_model_len:
         return "length"
     return None

@@ -34,6 +34,8 @@ class Sequence:
         self.blocks_on_ranks = 0  # how many of its block ids the ranks hold in that row (notebook 08c's updates)
         self.num_computed_tokens = 0  # tokens whose keys and values are in the cache
         self.num_cached_tokens = 0  # of those, found in the prefix cache at the last allocation
+        self.num_pending = 0  # tokens its scheduled steps sample that have not landed in token_ids yet
+        self.sample_row: int | None = None  # its row in the sampled tokens of the last step scheduled to sample for it
         self.finish_reason: str | None = None  # "stop" (EOS or a stop token), "length" (max_tokens, max_model_len), "abort"
         self.stop_reason: int | None = None  # the stop token (of `stop_token_ids`) that ended it; None for EOS and the rest
         self.num_preemptions = 0
@@ -45,9 +47,9 @@ class Sequence:
         self.shares_prompt_with: Sequence | None = None  # another sample of the same prompt, admitted before this one
 
     @property
-    def num_tokens(self) -> int: return len(self.token_ids)
+    def num_tokens(self) -> int: return len(self.token_ids) + self.num_pending  # landed, and on their way
     @property
-    def num_completion_tokens(self) -> int: return len(self.token_ids) - self.num_prompt_tokens
+    def num_completion_tokens(self) -> int: return self.num_tokens - self.num_prompt_tokens
     @property
     def prompt_token_ids(self) -> list[int]: return self.token_ids[:self.num_prompt_tokens]
     @property

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from ..kv_cache import DECODE_GROUP_SIZE, AttentionMetadata, BlockTables, slot_mappings, step_metadata
-from ..sampler import add_logit_bias, apply_penalties, mask_tokens
+from ..sampler import add_logit_bias, apply_penalties, mask_tokens, read_logprob_table
 
 if TYPE_CHECKING:
     from minivllm.engine.sequence import Sequence
 
 # %% auto #0
-__all__ = ['SamplingInputs', 'StepInputs', 'StepOutput']
+__all__ = ['SamplingInputs', 'StepInputs', 'StepOutput', 'fill_pending', 'PendingOutput']
 
 # %% ../../nbs/08c_step.ipynb #0e5fba69
 @dataclass
@@ -96,6 +96,9 @@ class StepInputs:
     num_threads: int | None = None  # CPU: the intra-op threads every rank uses for this step (rank 0's choice)
     prompt_logprob_rows: list[int] | None = None  # rows whose logits give a prompt token's log-probability (prompt_logprobs)
     sampling: SamplingInputs | None = None  # rank 0's sampling settings; None in a greedy step, and on the workers
+    # (row of input_ids, row of the step before's sampled tokens): decode tokens that have not landed on the host, which
+    # the runner takes from the step before's tokens on the device (asynchronous scheduling, notebook 11b)
+    pending: list[tuple[int, int]] | None = None
 
     @classmethod
     def build(cls, is_prefill: bool, new_token_ids: list[list[int]], num_computed_tokens: list[int],
@@ -140,3 +143,35 @@ class StepOutput(NamedTuple):
     token_ids: list[int]
     logprobs: list[dict[int, float] | None] | None = None
     prompt_logprobs: list[dict[int, float]] | None = None
+
+# %% ../../nbs/08c_step.ipynb #74fcb173
+def fill_pending(input_ids: torch.Tensor, pending: list[tuple[int, int]] | None, sampled: torch.Tensor | None) -> None:
+    "Write the step before's `sampled` tokens into the rows of `input_ids` that `pending` names (on the device, no read)."
+    if not pending:
+        return
+    if sampled is None:
+        raise RuntimeError("this step reads tokens of a step before it, but this runner has sampled none")
+    rows = torch.tensor(pending, dtype=torch.int64).to(input_ids.device, non_blocking=True)
+    input_ids[rows[:, 0]] = sampled[rows[:, 1]].to(input_ids.dtype)
+
+class PendingOutput:
+    "Rank 0's output of a launched step on its way to the host: its `num_tokens` tokens (or notebook 05a's `logprob_table` of them) copied without waiting, read when `result()` is asked."
+    def __init__(self, values: torch.Tensor, num_tokens: int, num_logprobs: list[int | None] | None = None,
+                 prompt_logprobs: list[dict[int, float]] | None = None):
+        self.num_tokens, self.num_logprobs, self.prompt_logprobs, self.landed = num_tokens, num_logprobs, prompt_logprobs, None
+        if values.is_cuda:  # subtle: into pinned memory, in stream order after the step's kernels; the host goes on
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            self.landed = torch.cuda.Event()
+            self.landed.record()
+            values = host
+        self.values = values
+
+    def result(self) -> StepOutput:
+        "The step's output, once its values have landed: the step's one read of the device."
+        if self.landed is not None:
+            self.landed.synchronize()
+        if self.num_logprobs is None:
+            return StepOutput(self.values.tolist(), None, self.prompt_logprobs)
+        return StepOutput(*read_logprob_table(self.values.tolist(), self.num_tokens, self.num_logprobs),
+                          self.prompt_logprobs)
