@@ -199,8 +199,9 @@ UNFUSED = StepPlan(kernels_per_layer=58, logit_passes=8, sampler_launches=25, ho
 # 1.85 ms with the tables rebuilt each step)
 HOST_S_PER_SEQ = 0.84e-3 / 256
 
-def counted_plan(host_reads: int, host_s_per_seq: float = HOST_S_PER_SEQ) -> StepPlan:
-    "The plan of the step as the code is now: its kernels a layer and its sampler's one-pass draw (Triton's: on the CPU, counted in the interpreter)."
+def counted_plan(host_reads: int, host_s_per_seq: float = HOST_S_PER_SEQ, host_overlapped: bool = True) -> StepPlan:
+    "The plan of the step as the code is now: its kernels a layer, its sampler's one-pass draw (Triton's: on the CPU, counted in the interpreter), and the host scheduled ahead (a GPU at one rank)."
     from minivllm import gpu
     sampler = sampler_kernels(draw=gpu.sample_rows_triton)
-    return StepPlan(decoder_layer_kernels("triton").total, sampler.passes, sampler.total, host_reads, host_s_per_seq)
+    return StepPlan(decoder_layer_kernels("triton").total, sampler.passes, sampler.total, host_reads, host_s_per_seq,
+                    host_overlapped)
