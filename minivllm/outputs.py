@@ -93,7 +93,7 @@ def load_tokenizer(path: Path):
         return None
     import transformers  # subtle: here, not on import: the engine-core process reads this module's deltas, never text
     try:
-        return transformers.AutoTokenizer.from_pretrained(path)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     except (ValueError, ImportError, OSError) as e:  # transformers speaks of sentencepiece and tiktoken here
         if not (path / "tokenizer.json").exists():
             raise ValueError(f"cannot load the tokenizer of {path}: it has no tokenizer.json; copy the checkpoint's "
@@ -101,6 +101,10 @@ def load_tokenizer(path: Path):
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"cannot load the tokenizer of {path} ({reason}): check its tokenizer.json and "
                          "tokenizer_config.json") from None
+    # subtle: the engine refuses a prompt past max_model_len itself, with an error that names the fix; the tokenizer's
+    # own limit would only print transformers' warning about it (in a server's log, for a request already refused)
+    tokenizer.model_max_length = transformers.tokenization_utils_base.VERY_LARGE_INTEGER
+    return tokenizer
 
 # %% ../nbs/12a_outputs.ipynb #f7f8de9d
 class IncrementalDetokenizer:

@@ -558,3 +558,12 @@ def test_a_chat_template_given_to_serve_renders_chats_and_tokenize(no_template, 
         chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 2})
         assert chat.status_code == 200, chat.text
         assert chat.json()["usage"]["prompt_tokens"] == tokens.json()["count"]
+
+
+def test_a_prompt_the_server_refuses_leaves_no_library_warning_in_its_log(tp2):
+    "A prompt past the tokenizer's own limit is the engine's 400 (max_model_len), not also a transformers warning."
+    before = len(tp2.log)
+    r = httpx.post(tp2.url + "/v1/completions", json={"model": "tiny", "prompt": "word " * 1500},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 400 and "but max_model_len is 256" in r.json()["error"]["message"], r.text
+    assert not any("transformers" in line or "Token indices" in line for line in tp2.log[before:]), tp2.log[before:]
