@@ -28,7 +28,7 @@ __all__ = ['Logprob', 'CompletionOutput', 'RequestOutput', 'vllm_logprobs', 'loa
 class Logprob:
     "One token's log-probability at one position, as vLLM's: its rank among the vocabulary (1: the most likely) and its text."
     logprob: float
-    rank: int | None = None  # None: a sampled or prompt token below the k most likely, whose rank is not measured
+    rank: int | None = None  # 1: the most likely; None only where the engine sent no count
     decoded_token: str | None = None  # the token alone, decoded (None when the model has no tokenizer)
 
 @dataclass
@@ -70,17 +70,19 @@ class RequestOutput:
         return f"RequestOutput({shown!r}, finish_reason={self.finish_reason!r}, {len(self.token_ids)} tokens{more})"
 
 # %% ../nbs/12a_outputs.ipynb #025b7ade
-def vllm_logprobs(records: list[dict[int, float] | None], token_ids: list[int], k: int, tokenizer
-                  ) -> list[dict[int, Logprob] | None]:
-    "The engine's `{token id: log-probability}` per position, with `token_ids[i]` the token at position i, as vLLM's `{token id: Logprob}`."
+def vllm_logprobs(records: list[dict[int, float] | None], token_ids: list[int], k: int, tokenizer,
+                  ranks: list[int | None] | None = None) -> list[dict[int, Logprob] | None]:
+    "The engine's `{token id: log-probability}` per position, with `token_ids[i]` the token at position i (of rank `ranks[i]` in the vocabulary, where known), as vLLM's `{token id: Logprob}`."
     out = []
-    for record, token in zip(records, token_ids):
+    for i, (record, token) in enumerate(zip(records, token_ids)):
         if record is None:  # the first prompt token: nothing before it
             out.append(None)
             continue
         ranked = sorted(record.items(), key=itemgetter(1), reverse=True)  # stable: a tie keeps the engine's order
-        # subtle: of k + 1 entries, the last is the position's own token below the k most likely: its rank is unknown
-        out.append({t: Logprob(lp, r + 1 if r < k or t != token else None,
+        own = ranks[i] if ranks else None  # the position's own token's rank, counted over the whole vocabulary
+        # subtle: of k + 1 entries, the last is the position's own token below the k most likely: only the count gives
+        # its rank (None where the engine sent none); the k most likely are ranked by their order
+        out.append({t: Logprob(lp, own if t == token and own is not None else r + 1 if r < k else None,
                                tokenizer.decode([t]) if tokenizer is not None else None)
                     for r, (t, lp) in enumerate(ranked)})
     return out
@@ -211,15 +213,20 @@ class CompletionDelta(NamedTuple):
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     prompt_logprobs: list[dict[int, float] | None] | None = None  # the prompt's, when asked: with the first tokens
     stop_reason: int | None = None  # the stop token that ended it (the engine's `Sequence.stop_reason`)
+    logprob_ranks: list[int | None] | None = None  # per new token, with its logprobs: its rank in the vocabulary
+    prompt_logprob_ranks: list[int | None] | None = None  # per prompt token, with prompt_logprobs
 
 def sequence_delta(seq: Sequence, request_id: str, index: int, sent: int) -> CompletionDelta:
     "What sequence `seq` (completion `index` of request `request_id`) holds past its first `sent` completion tokens, and its end."
     new = seq.token_ids[seq.num_prompt_tokens + sent:]
     logprobs = seq.logprobs[sent:] if seq.logprobs is not None else None
+    ranks = seq.logprob_ranks[sent:] if seq.logprob_ranks is not None else None
     record = seq.prompt_logprobs  # subtle: whole only in the sample that computed it (notebook 09): the others send none
-    prompt_logprobs = record if sent == 0 and new and record is not None and len(record) == seq.num_prompt_tokens else None
+    whole = sent == 0 and new and record is not None and len(record) == seq.num_prompt_tokens
     return CompletionDelta(request_id, index, new, logprobs, seq.finish_reason if seq.is_finished else None,
-                           seq.num_cached_tokens, prompt_logprobs, seq.stop_reason if seq.is_finished else None)
+                           seq.num_cached_tokens, record if whole else None,
+                           seq.stop_reason if seq.is_finished else None, ranks,
+                           seq.prompt_logprob_ranks if whole else None)
 
 # %% ../nbs/12a_outputs.ipynb #fc4a034f
 class Request:
@@ -257,11 +264,12 @@ class Request:
             return False
         self.token_ids[i] += delta.token_ids
         if delta.logprobs is not None and self.logprobs[i] is not None:
-            self.logprobs[i] += vllm_logprobs(delta.logprobs, delta.token_ids, self.params.logprobs, self.tokenizer)
+            self.logprobs[i] += vllm_logprobs(delta.logprobs, delta.token_ids, self.params.logprobs, self.tokenizer,
+                                              delta.logprob_ranks)
             self.cumulative_logprobs[i] += sum(lps[t] for t, lps in zip(delta.token_ids, delta.logprobs))
         if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = vllm_logprobs(delta.prompt_logprobs, self.prompt_token_ids,
-                                                 self.params.prompt_logprobs, self.tokenizer)
+                                                 self.params.prompt_logprobs, self.tokenizer, delta.prompt_logprob_ranks)
         if i == 0:
             self.num_cached_tokens = delta.num_cached_tokens
         text = self.texts[i]

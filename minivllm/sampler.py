@@ -256,32 +256,36 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Seque
     return tokens_and_logprobs(logits, token_ids, num_top)[1]
 
 def tokens_and_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int | None]
-                        ) -> tuple[list[int], list[dict[int, float] | None]]:
-    "`token_ids` as a list, and `token_logprobs`: one read of the device for both."
+                        ) -> tuple[list[int], list[dict[int, float] | None], list[int | None]]:
+    "`token_ids` as a list, `token_logprobs`, and each asking row's token's rank: one read of the device for all."
     return read_logprob_table(logprob_table(logits, token_ids, num_top).tolist(), len(token_ids), num_top)
 
 def logprob_table(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int | None]) -> torch.Tensor:
-    "The sampled tokens, then for each row that asks: its token, that token's log-probability, its top ids and theirs; one float64 vector, still on the device."
+    "The sampled tokens, then for each row that asks: its token, that token's log-probability and rank, its top ids and theirs; one float64 vector, still on the device."
     wanted = [i for i, k in enumerate(num_top) if k is not None]
     if not wanted:
         return token_ids.double()
     logprobs = torch.log_softmax(logits[wanted].float(), dim=-1)
     chosen_ids = token_ids[wanted].view(-1, 1)
+    chosen = logprobs.gather(1, chosen_ids)
+    rank = (logprobs >= chosen).sum(-1, keepdim=True)  # as vLLM's: 1 for the most likely; a tie counts against it
     k = max(num_top[i] for i in wanted)
     top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
-    table = torch.cat([t.double() for t in (chosen_ids, logprobs.gather(1, chosen_ids), top_ids, top_lp)], dim=1)
-    # subtle: float64 holds token ids and float32 log-probabilities exactly: one read takes it all
+    table = torch.cat([t.double() for t in (chosen_ids, chosen, rank, top_ids, top_lp)], dim=1)
+    # subtle: float64 holds token ids, ranks and float32 log-probabilities exactly: one read takes it all
     return torch.cat([token_ids.double(), table.flatten()])
 
 def read_logprob_table(flat: list[float], num_tokens: int, num_top: Sequence[int | None]
-                       ) -> tuple[list[int], list[dict[int, float] | None]]:
-    "`logprob_table`'s vector, read: the tokens, and per row `{token id: log-probability}` (None where not asked)."
+                       ) -> tuple[list[int], list[dict[int, float] | None], list[int | None]]:
+    "`logprob_table`'s vector, read: the tokens, per row `{token id: log-probability}` and its token's rank (None where not asked)."
     wanted = [i for i, k in enumerate(num_top) if k is not None]
     out: list[dict[int, float] | None] = [None] * len(num_top)
+    ranks: list[int | None] = [None] * len(num_top)
     k = max((num_top[i] for i in wanted), default=0)
-    width, n = 2 + 2 * k, num_tokens
+    width, n = 3 + 2 * k, num_tokens
     for row, i in enumerate(wanted):
-        token, lp, *top = flat[n + row * width:n + (row + 1) * width]
+        token, lp, rank, *top = flat[n + row * width:n + (row + 1) * width]
         out[i] = dict(zip(map(int, top[:num_top[i]]), top[k:k + num_top[i]]))
         out[i][int(token)] = lp  # subtle: the sampled token is always there, top-k or not
-    return [int(t) for t in flat[:n]], out
+        ranks[i] = int(rank)
+    return [int(t) for t in flat[:n]], out, ranks

@@ -29,7 +29,7 @@ from .step import PendingOutput, StepInputs, StepOutput, fill_pending
 from ..attention import cpu_decode_kernel
 from ..kv_cache import (BlockTables, allocate_kv_cache, blocks_for_budget, cpu_kv_cache_budget, cuda_kv_cache_budget,
                                kv_cache_bytes_per_block)
-from ..sampler import Sampler, logprob_table, token_logprobs
+from ..sampler import Sampler, logprob_table, tokens_and_logprobs
 from ..models import build_model, load_checkpoint
 
 if TYPE_CHECKING:  # subtle: several machines (notebooks 09a, 10a) are imported where they are used, never by one machine's engine
@@ -358,16 +358,19 @@ def _draws_in_graph(self: ModelRunner, step: StepInputs) -> bool:
 PROMPT_LOGPROB_ROWS = 512  # prompt rows per LM-head call: bounds its [rows, vocab] float32 logits (300 MB at 150k)
 
 @patch
-def _prompt_logprobs(self: ModelRunner, hidden: torch.Tensor, sampling) -> list[dict[int, float]] | None:
-    "Per prompt row: `{token id: logprob}` of the prompt token it predicts and of its most likely ones (rank 0; None on the others)."
-    out = []
+def _prompt_logprobs(self: ModelRunner, hidden: torch.Tensor, sampling
+                     ) -> tuple[list[dict[int, float]], list[int]] | None:
+    "Per prompt row: `{token id: logprob}` of the prompt token it predicts and of its most likely ones, and that token's rank (rank 0; None on the others)."
+    records, ranks = [], []
     for start in range(0, len(hidden), PROMPT_LOGPROB_ROWS):
         logits = self.model.compute_logits(hidden[start:start + PROMPT_LOGPROB_ROWS])  # every rank: a collective
         if self.rank == 0:  # raw logits, as vLLM's: before penalties, biases and temperature
             rows = slice(start, start + PROMPT_LOGPROB_ROWS)
             tokens = torch.tensor(sampling.prompt_logprob_tokens[rows], dtype=torch.int64, device=logits.device)
-            out += token_logprobs(logits, tokens, sampling.num_prompt_logprobs[rows])
-    return out if self.rank == 0 else None
+            _, chunk, chunk_ranks = tokens_and_logprobs(logits, tokens, sampling.num_prompt_logprobs[rows])
+            records += chunk
+            ranks += chunk_ranks
+    return (records, ranks) if self.rank == 0 else None
 
 # %% ../../nbs/11_model_runner.ipynb #076c8c29
 def execute_step(step: StepInputs, runner: ModelRunner, channel=None, remote=None) -> StepOutput:

@@ -318,8 +318,9 @@ def _preempt(self: Scheduler, seq: Sequence) -> None:
 @patch
 def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[int | None],
                 logprobs: list[dict[int, float] | None] | None = None,
-                prompt_logprobs: list[dict[int, float]] | None = None) -> list[Sequence]:
-    "Record the oldest step not yet recorded, given one sampled token per sequence (ignored where `batch.samples` is False), its logprobs and the prompt logprobs of `batch.prompt_logprob_rows`; the finished ones."
+                prompt_logprobs: list[dict[int, float]] | None = None, logprob_ranks: list[int | None] | None = None,
+                prompt_logprob_ranks: list[int] | None = None) -> list[Sequence]:
+    "Record the oldest step not yet recorded, given one sampled token per sequence (ignored where `batch.samples` is False), its logprobs and the prompt logprobs of `batch.prompt_logprob_rows` (with their tokens' ranks, when known); the finished ones."
     if len(sampled_token_ids) != batch.num_seqs:
         raise ValueError(f"expected one sampled token per sequence of the batch ({batch.num_seqs}), "
                          f"got {len(sampled_token_ids)}")
@@ -337,10 +338,11 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
             raise ValueError(f"sequence {seq.seq_id} asked for logprobs: give a {{token id: logprob}} for its token")
     finished = []  # checked everything first: a bad call changes nothing
     self.in_flight.popleft()
-    for (_, i, position), lp in zip(batch.prompt_logprob_rows, prompt_logprobs or []):
-        record = batch.seqs[i].prompt_logprobs
-        if position == len(record):  # subtle: a prompt computed again after a preemption keeps its first record
-            record.append(lp)
+    for row, ((_, i, position), lp) in enumerate(zip(batch.prompt_logprob_rows, prompt_logprobs or [])):
+        seq = batch.seqs[i]
+        if position == len(seq.prompt_logprobs):  # subtle: a prompt computed again after a preemption keeps its first record
+            seq.prompt_logprobs.append(lp)
+            seq.prompt_logprob_ranks.append(prompt_logprob_ranks[row] if prompt_logprob_ranks else None)
     block_size = self.block_manager.block_size
     for i, (seq, computed, new, samples, token) in enumerate(zip(
             batch.seqs, batch.num_computed_tokens, batch.num_new_tokens, batch.samples, sampled_token_ids)):
@@ -356,6 +358,7 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
         seq.token_ids.append(int(token))
         if seq.logprobs is not None:
             seq.logprobs.append(logprobs[i])
+            seq.logprob_ranks.append(logprob_ranks[i] if logprob_ranks else None)
         if (reason := self._finish_reason(seq)) is not None:
             self._finish(seq, reason)
             finished.append(seq)

@@ -41,9 +41,11 @@ class Sequence:
         self.num_preemptions = 0
         # per generated token, when logprobs are asked for: {token id: log-probability} of the sampled and top tokens
         self.logprobs: list[dict[int, float]] | None = [] if self.sampling_params.logprobs is not None else None
+        self.logprob_ranks: list[int | None] | None = [] if self.logprobs is not None else None  # each token's, in the vocabulary
         # per prompt token, when prompt_logprobs are asked for: the same, given the tokens before it (None for the first)
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if self.sampling_params.prompt_logprobs is not None else None)
+        self.prompt_logprob_ranks: list[int | None] | None = [None] if self.prompt_logprobs is not None else None
         self.shares_prompt_with: Sequence | None = None  # another sample of the same prompt, admitted before this one
 
     @property

@@ -139,10 +139,12 @@ class StepInputs:
                              tables, self.rows, group_size)
 
 class StepOutput(NamedTuple):
-    "What rank 0 returns from a step: one sampled token per sequence, the logprobs of those that asked, and the prompt logprobs of the step's prompt_logprob_rows."
+    "What rank 0 returns from a step: one sampled token per sequence, the logprobs of those that asked, the prompt logprobs of the step's prompt_logprob_rows, and the ranks of those tokens among the vocabulary."
     token_ids: list[int]
     logprobs: list[dict[int, float] | None] | None = None
     prompt_logprobs: list[dict[int, float]] | None = None
+    logprob_ranks: list[int | None] | None = None  # per sequence that asked for logprobs: its sampled token's rank
+    prompt_logprob_ranks: list[int] | None = None  # per prompt_logprob_row: its prompt token's rank
 
 # %% ../../nbs/08c_step.ipynb #74fcb173
 def fill_pending(input_ids: torch.Tensor, pending: list[tuple[int, int]] | None, sampled: torch.Tensor | None) -> None:
@@ -157,7 +159,7 @@ def fill_pending(input_ids: torch.Tensor, pending: list[tuple[int, int]] | None,
 class PendingOutput:
     "Rank 0's output of a launched step on its way to the host: its `num_tokens` tokens (or notebook 05a's `logprob_table` of them) copied without waiting, read when `result()` is asked."
     def __init__(self, values: torch.Tensor, num_tokens: int, num_logprobs: list[int | None] | None = None,
-                 prompt_logprobs: list[dict[int, float]] | None = None):
+                 prompt_logprobs: tuple[list[dict[int, float]], list[int]] | None = None):
         self.num_tokens, self.num_logprobs, self.prompt_logprobs, self.landed = num_tokens, num_logprobs, prompt_logprobs, None
         if values.is_cuda:  # subtle: into pinned memory, in stream order after the step's kernels; the host goes on
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -171,7 +173,8 @@ class PendingOutput:
         "The step's output, once its values have landed: the step's one read of the device."
         if self.landed is not None:
             self.landed.synchronize()
+        prompt_logprobs, prompt_ranks = self.prompt_logprobs or (None, None)  # (records, ranks), read already
         if self.num_logprobs is None:
-            return StepOutput(self.values.tolist(), None, self.prompt_logprobs)
-        return StepOutput(*read_logprob_table(self.values.tolist(), self.num_tokens, self.num_logprobs),
-                          self.prompt_logprobs)
+            return StepOutput(self.values.tolist(), None, prompt_logprobs, None, prompt_ranks)
+        tokens, logprobs, ranks = read_logprob_table(self.values.tolist(), self.num_tokens, self.num_logprobs)
+        return StepOutput(tokens, logprobs, prompt_logprobs, ranks, prompt_ranks)
