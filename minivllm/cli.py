@@ -156,10 +156,14 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--block-size", type=int, default=None, metavar="N",
                    help="tokens per KV-cache block (default: 16, EngineArgs.kvcache_block_size)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the device computes this one, as vLLM's option (default: on a "
+                        "GPU at one rank; nothing to overlap on the CPU)")
 
 def _given_engine_options(a: argparse.Namespace) -> dict:
-    "--device and --block-size as the engine's arguments, each only when given (else EngineArgs' default)."
-    given = {"device": None if a.device == "auto" else a.device, "kvcache_block_size": a.block_size}
+    "--device, --block-size and --async-scheduling as the engine's arguments, each only when given (else EngineArgs' default)."
+    given = {"device": None if a.device == "auto" else a.device, "kvcache_block_size": a.block_size,
+             "async_scheduling": a.async_scheduling}
     return {name: value for name, value in given.items() if value is not None}
 
 # %% ../nbs/15_cli.ipynb #d6701e53

@@ -25,7 +25,7 @@ from minivllm.testing import gone, make_tiny_checkpoint, rank_processes, wait_un
 
 OPTIONS = ("--model", "--tensor-parallel-size", "--max-tokens", "--temperature", "--top-k", "--top-p", "--seed",
            "--ignore-eos", "--dtype", "--max-model-len", "--num-threads", "--device", "--block-size", "--chat", "--quiet",
-           "--nnodes", "--master-addr", "--master-port")
+           "--nnodes", "--master-addr", "--master-port", "--async-scheduling")
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ LAUNCH_LINE = ("--dtype auto --max-model-len 4096 --gpu-memory-utilization 0.9 -
 MORE_OPTIONS = ("-tp 1 --max-num-seqs 64 --max-num-batched-tokens 512 --served-model-name qwen --host 127.0.0.1 "
                 "--enforce-eager --uvicorn-log-level warning --trust-remote-code --enable-prefix-caching "
                 "--disable-log-stats --swap-space 4 --disable-frontend-multiprocessing --device cpu "
-                "-pp 1 --kv-cache-dtype auto --load-format auto").split()
+                "-pp 1 --kv-cache-dtype auto --load-format auto --async-scheduling").split()
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_a_vllm_launch_line_is_accepted_with_the_right_engine_settings(served, c
     kwargs = served["kwargs"]
     assert {k: kwargs[k] for k in ("dtype", "max_model_len", "gpu_memory_utilization", "seed", "kvcache_block_size")} == \
         dict(dtype=None, max_model_len=4096, gpu_memory_utilization=0.9, seed=0, kvcache_block_size=16)
-    assert "device" not in kwargs  # --device not given: the engine chooses
+    assert "device" not in kwargs and "async_scheduling" not in kwargs  # not given: the engine chooses
     # the options that change nothing here, named in one log line
     lines = [r.getMessage() for r in caplog.records if "change nothing here" in r.getMessage()]
     assert len(lines) == 1 and "\n" not in lines[0], lines
@@ -75,6 +75,7 @@ def test_every_common_vllm_serve_option_is_accepted(served, caplog):
     assert {k: kwargs[k] for k in ("max_num_seqs", "max_num_batched_tokens", "enforce_eager", "device",
                                    "kvcache_block_size")} == \
         dict(max_num_seqs=64, max_num_batched_tokens=512, enforce_eager=True, device="cpu", kvcache_block_size=16)
+    assert kwargs["async_scheduling"] is True  # vLLM's --async-scheduling, with its meaning (notebook 11b)
     (line,) = [r.getMessage() for r in caplog.records if "change nothing here" in r.getMessage()]
     for option in ("--trust-remote-code", "--enable-prefix-caching", "--disable-log-stats", "--swap-space 4.0",
                    "--disable-frontend-multiprocessing", "--pipeline-parallel-size 1", "--kv-cache-dtype auto",
