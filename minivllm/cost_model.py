@@ -45,13 +45,13 @@ def time_decode_steps(model: str | Path | None, tensor_parallel_size: int = 1, b
             llm.step()  # prefill
         if before_decode is not None: before_decode(llm)
         runner, inside, walls = engine.runner, [], []
-        run = runner.run
-        def timed_run(*args, **kwargs):
+        launch = runner.launch  # rank 0's share of a step: on the CPU it has run when it returns
+        def timed_launch(*args, **kwargs):
             start = time.perf_counter()
-            out = run(*args, **kwargs)
+            out = launch(*args, **kwargs)
             inside.append(time.perf_counter() - start)
             return out
-        runner.run = timed_run  # subtle: an instance attribute, for this measurement only
+        runner.launch = timed_launch  # subtle: an instance attribute, for this measurement only
         try:
             for _ in range(steps):
                 start = time.perf_counter()
@@ -59,7 +59,7 @@ def time_decode_steps(model: str | Path | None, tensor_parallel_size: int = 1, b
                 walls.append(time.perf_counter() - start)
                 assert not stats["prefill"], "a prefill step among the decode steps: raise max_num_batched_tokens"
         finally:
-            del runner.run
+            del runner.launch
     return StepTimes(statistics.median(walls), statistics.median(inside),
                      statistics.median(w - r for w, r in zip(walls, inside)))
 
