@@ -78,8 +78,9 @@ def test_padded_static_buffers_match_eager_decode(tiny_model, batch):
 def test_the_draw_in_the_padded_step_gives_the_samplers_tokens(tiny_model):
     "The LM head and the one-pass draw on the padded buffers (what a graph with a draw records): greedy and seeded rows draw what the sampler draws from eager logits."
     gpu = pytest.importorskip("minivllm.gpu")
-    if not gpu.TRITON_RUNS_ON_CPU:
-        pytest.skip("the draw runs on the CPU only in Triton's interpreter (triton >= 3.2)")
+    from minivllm.gpu.triton_attention import INTERPRETED
+    if not (gpu.TRITON_RUNS_ON_CPU and INTERPRETED):  # (on a GPU the interpreter is off: the CUDA tests below draw there)
+        pytest.skip("the draw runs on the CPU only in Triton's interpreter (triton >= 3.2, TRITON_INTERPRET=1)")
     model, bs, c = tiny_model, 4, tiny_model.config
     lens, tables = [5, 9, 3], [[0, 1], [2, 3, 4], [5]]
     g = torch.Generator().manual_seed(4)
@@ -158,3 +159,18 @@ def test_graph_replay_gives_eager_tokens_on_cuda(tmp_path, shape):
             outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     agree = sum(a == b for x, y in zip(*outs) for a, b in zip(x, y)) / sum(map(len, outs[0]))
     assert outs[0] == outs[1] or (shape != "tiny" and agree > 0.99), f"tokens agree {agree:.1%}"
+
+
+@needs_cuda
+def test_graph_replay_draws_eager_seeded_tokens_on_cuda(tmp_path):
+    "Seeded draws (temperature, top-p, min-p, top-k) in a replayed graph are eager's: the draw is keyed by (seed, position)."
+    path = make_tiny_checkpoint(tmp_path, "qwen3", dtype="float32")
+    prompts = seeded_prompts(Config.from_pretrained(path).vocab_size)
+    params = [SamplingParams(temperature=0.5 + 0.2 * i, top_p=(0.9, 1.0)[i % 2], min_p=(0.0, 0.05)[i % 2],
+                             top_k=(-1, 20)[i % 2], seed=i, max_tokens=24, ignore_eos=True) for i in range(len(prompts))]
+    outs = []
+    for eager in (True, False):
+        with LLM(path, max_model_len=512, max_num_seqs=16, enforce_eager=eager, gpu_memory_utilization=0.5) as llm:
+            assert (llm.llm_engine.runner.graphs is None) == eager
+            outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert outs[0] == outs[1]

@@ -66,7 +66,7 @@ def test_the_quick_check_runs_dry_on_the_cpu_and_writes_its_table_and_json(tmp_p
                             "budget_s", "over_budget", "errors"}
     assert results["errors"] == {} and run.stderr.count("Traceback") == 0
     assert (results["mode"], results["dry_run"], results["preflight"]["missing"]) == ("quick", True, [])
-    assert results["cuda_tests"] == dict(files=list(gpu_check.GPU_TEST_FILES), budget_s=90,
+    assert results["cuda_tests"] == dict(files=list(gpu_check.GPU_TEST_FILES), budget_s=130,
                                          skipped_because="dry run: no GPU")
     float32 = [r for r in results["greedy_equivalence"] if r["dtype"] == "float32"]
     assert all(r["equal"] == r["prompts"] == 13 and r["parts"] == [] for r in float32), float32  # float32: exactly
@@ -98,9 +98,9 @@ def test_without_a_gpu_the_check_says_so_and_how_to_dry_run():
 
 
 def test_the_plans_fit_their_windows(gpu_check):
-    "--quick within 4 minutes on a GPU, its tests within about 90 s; the full check keeps eager runs and transformers."
+    "--quick within 4 minutes on a GPU, its tests within 130 s; the full check keeps eager runs and transformers."
     quick, full = gpu_check.plan_for(quick=True, dry_run=False), gpu_check.plan_for(quick=False, dry_run=False)
-    assert sum(quick.budgets.values()) <= 240 and quick.budgets["tests"] == 90
+    assert sum(quick.budgets.values()) <= 240 and quick.budgets["tests"] == 130
     assert quick.compile_report_timeout_s < sum(quick.budgets.values())
     assert (quick.greedy_eager, quick.workload_eager, quick.transformers_slice) == (False, False, 0)
     assert (full.greedy_eager, full.workload_eager, full.transformers_slice) == (True, True, 64)

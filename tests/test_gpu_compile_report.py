@@ -62,6 +62,29 @@ def test_no_variant_spills(report):
     assert not spilling, spilling
 
 
+def test_the_layer_kernels_keep_every_16bit_rounding(report):
+    "The kernels that round where torch rounds (notebook 06c): compiled without fusion, no 16-bit instruction that may skip a rounding."
+    _, rows = report
+    layers = [r for r in rows if r["kernel"] in tool().LAYER_LABELS]
+    assert layers and not [r for r in layers if r["fp_fusion"]]
+    assert all(r["fused_16bit"] == 0 for r in layers if r["arch"] >= 90), [r for r in layers if r["fused_16bit"]]
+
+
+def test_fused_16bit_ops_counts_what_may_skip_a_rounding():
+    "fma on 16-bit numbers, and 16-bit multiplies and sums without `.rn` (the assembler may fuse them); not float32's."
+    ptx = """
+    fma.rn.bf16 %rs1, %rs2, %rs3, %rs4;
+    mul.bf16x2 %r1, %r2, %r3;
+    sub.f16 %rs5, %rs6, %rs7;
+    sub.rn.bf16x2 %r4, %r5, %r6;
+    mul.rn.f16 %rs8, %rs9, %rs10;
+    fma.rn.f32 %f1, %f2, %f3, %f4;
+    add.f32 %f5, %f6, %f7;
+    add.s64 %rd1, %rd2, %rd3;
+    cvt.rn.bf16.f32 %rs11, %f8;"""
+    assert tool().fused_16bit_ops(ptx) == 3
+
+
 def test_the_report_covers_every_kernel_of_the_package():
     "A kernel added to the package without a launch in the report is named, not left out."
     assert tool().package_kernels() == {"_paged_attention_kernel", "_merge_splits_kernel", "_store_kvcache_kernel",

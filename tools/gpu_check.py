@@ -22,15 +22,16 @@ background without Triton's interpreter. Every engine runs a warm-up of the shap
 prefill over a cached prefix, decodes at batch 1 and at its largest batch) before the timer starts, so no Triton
 compile falls inside a timing. Each step has a budget: its seconds go to stderr as it ends, and into the JSON.
 
-How --quick fits 4 minutes on an H100 (budgets in `plan_for`; estimates, not yet measured on a GPU):
-  tests 90 s: the four files in parallel where pytest-xdist is installed (their Triton compiles spread over the
-    cores), killed and reported at 90 s; meanwhile the compile report runs and the workload's 0.6B checkpoint is made;
-  greedy 30 s: 8 prompts of 16 tokens, CUDA graphs only (the engine's normal path; the full check adds eager and
-    13 prompts of 32 tokens);
-  workload 55 s: all 256 requests, CUDA graphs only (the full check adds eager, and transformers' batched generate
-    on a 64-request slice): the engine's start and warm-up, then 133,966 tokens, about 13 s at the 10,600 tok/s that a
-    model of the engine's decode step predicts for an H100 (at 2,000 tok/s, 67 s: over budget, reported, not cut);
-  decode rates 30 s and the profiled step 10 s, in one engine; preflight, imports, environment and the rest 25 s.
+How --quick fits 4 minutes (budgets in `plan_for`; seconds measured on an H200 with torch 2.11 and triton 3.6):
+  tests 130 s: the five files over 8 xdist workers where pytest-xdist is installed (their Triton compiles spread over
+    the cores), killed and reported at the budget: alone they took 99 s (337 tests); beside the compile report and
+    the making of the workload's 0.6B checkpoint, which run meanwhile, 90 s saw 302 of them;
+  greedy 35 s (19-34 s): 8 prompts of 16 tokens, CUDA graphs only (the engine's normal path; the full check adds
+    eager and 13 prompts of 32 tokens);
+  workload 30 s (12-13 s): all 256 requests, CUDA graphs only (the full check adds eager, and transformers' batched
+    generate on a 64-request slice): the engine's start and warm-up, then 133,966 tokens in 6.2-6.3 s;
+  decode rates 15 s (5 s) and the profiled step 5 s (1 s), in one engine; preflight, imports, environment, the
+    checkpoint and the compile report's wait 25 s (7-8 s when the tests run; the checkpoint takes 52 s without them).
 The full check takes about 7-11 minutes on an H100: more than one 600 s call of a lent machine allows.
 `--attention-backend sdpa` (or any backend of notebook 06a) runs every engine of the check on that backend: the
 table before and after a kernel.
@@ -109,8 +110,8 @@ def plan_for(quick: bool, dry_run: bool) -> Plan:
                     transformers_slice=0 if quick else 4, batches=(1, 4), context=32, steps=8, max_model_len=256,
                     copy_mib=64, compile_report_timeout_s=90, budgets=budgets)
     if quick:  # see the module's docstring for how these fit 4 minutes
-        budgets = dict(preflight=1, imports=6, environment=8, tests=90, model=5, greedy=30, workload=55, decode=30,
-                       profile=10, compile_report=5)
+        budgets = dict(preflight=1, imports=10, environment=5, tests=130, model=5, greedy=35, workload=30, decode=15,
+                       profile=5, compile_report=4)
         return Plan(greedy_prompts=8, greedy_tokens=16, greedy_eager=False, workload_eager=False, transformers_slice=0,
                     batches=(1, 16, 64, 256), context=512, steps=64, max_model_len=4096, copy_mib=1024,
                     compile_report_timeout_s=150, budgets=budgets)

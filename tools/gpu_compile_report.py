@@ -1,5 +1,6 @@
 """Every Triton kernel of minivllm compiled for real NVIDIA GPUs on this machine, with no GPU: registers, spills,
-shared memory and how many blocks a multiprocessor can hold.
+shared memory, how many blocks a multiprocessor can hold, and the 16-bit float instructions that may skip a rounding
+torch makes (a fused multiply-add, or one the assembler may fuse: the layer kernels must have none).
 
     python tools/gpu_compile_report.py [--arch 80 90] [--quick] [--json PATH] [--jobs N]
 
@@ -61,6 +62,8 @@ class Variant:
     stages: int
     blocks_per_sm: int
     limited_by: str
+    fp_fusion: bool  # whether the compiler may fuse a product into a sum (Triton's default; off: `TORCH_ROUNDING`)
+    fused_16bit: int | None  # 16-bit float instructions that may skip a rounding torch makes; None below sm_90
 
 
 def package_kernels() -> set[str]:
@@ -168,6 +171,17 @@ def compile_for(kernel, arch: int, *args, **kwargs):
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
+def fused_16bit_ops(ptx: str) -> int:
+    "How many 16-bit float instructions of `ptx` fuse a product into a sum (fma), or may be fused by `ptxas` (no `.rn`)."
+    # subtle: for sm_90 and later only: sm_80 has no 16-bit add or multiply, and does each as an fma with 1 or -0
+    count = 0
+    for op in re.findall(r"^\s*((?:fma|mul|add|sub)\.[\w.]+)", ptx, re.M):
+        parts = op.split(".")
+        if parts[-1] in ("f16", "f16x2", "bf16", "bf16x2") and (parts[0] == "fma" or "rn" not in parts):
+            count += 1
+    return count
+
+
 def resource_usage(cubin: bytes) -> dict[str, int]:
     "Registers a thread, stack and local memory a thread (spills) and static shared memory, as `cuobjdump` reads them."
     import tempfile
@@ -206,7 +220,9 @@ def compile_shape(dtype: str, head_size: int, group: int, archs: tuple[int, ...]
             blocks, limit = blocks_per_sm(use["registers"], shared, warps, arch)
             head = None if label in HEAD_FREE_LABELS else head_size
             rows.append(asdict(Variant(label, dtype, head, None if independent else group, arch, use["registers"],
-                                       use["spill_bytes"], shared, warps, compiled.metadata.num_stages, blocks, limit)))
+                                       use["spill_bytes"], shared, warps, compiled.metadata.num_stages, blocks, limit,
+                                       compiled.metadata.enable_fp_fusion,
+                                       fused_16bit_ops(compiled.asm["ptx"]) if arch >= 90 else None)))
     return rows
 
 
@@ -224,13 +240,14 @@ def compile_report(archs=ARCHS, dtypes=DTYPES, head_sizes=HEAD_SIZES, groups=GRO
 def report_table(rows: list[dict], triton_version: str) -> str:
     "One markdown table of the rows, the triton that compiled them named above it."
     head = ("| kernel | dtype | head | group | arch | registers | spills (B) | shared (KB) | warps | stages | "
-            "blocks/SM | limited by |")
+            "blocks/SM | limited by | fusion, fused 16-bit |")
     lines = [f"Compiled by triton {triton_version} for sm_{'/sm_'.join(str(a) for a in sorted({r['arch'] for r in rows}))}:",
-             "", head, "|" + "---|" * 12]
+             "", head, "|" + "---|" * 13]
     for r in rows:
         lines.append(f"| {r['kernel']} | {r['dtype']} | {r['head_size'] or '-'} | {r['group'] or '-'} | sm_{r['arch']} | "
                      f"{r['registers']} | {r['spill_bytes']} | {r['shared_bytes'] / 1024:.1f} | {r['warps']} | "
-                     f"{r['stages']} | {r['blocks_per_sm']} | {r['limited_by']} |")
+                     f"{r['stages']} | {r['blocks_per_sm']} | {r['limited_by']} | "
+                     f"{'on' if r['fp_fusion'] else 'off'}, {'-' if r['fused_16bit'] is None else r['fused_16bit']} |")
     return "\n".join(lines)
 
 

@@ -18,9 +18,9 @@ if HAS_TRITON:
     from triton.language.extra import libdevice
 
 # %% auto #0
-__all__ = ['SILU_BLOCK', 'ROTARY_NUMBERS', 'ARGMAX_TILE', 'check_runs', 'as_rows', 'warps_for', 'add_rms_norm_triton',
-           'silu_and_mul_triton', 'side_by_side_heads', 'rotary_embedding_triton', 'norm_rotary_triton',
-           'argmax_rows_triton', 'TritonLayerOps', 'layer_ops_for']
+__all__ = ['TORCH_ROUNDING', 'SILU_BLOCK', 'ROTARY_NUMBERS', 'ARGMAX_TILE', 'check_runs', 'as_rows', 'warps_for',
+           'add_rms_norm_triton', 'silu_and_mul_triton', 'side_by_side_heads', 'rotary_embedding_triton',
+           'norm_rotary_triton', 'argmax_rows_triton', 'TritonLayerOps', 'layer_ops_for']
 
 # %% ../../nbs/06c_triton_layers.ipynb #f93a9016
 def check_runs(op: str, x: torch.Tensor) -> None:
@@ -62,6 +62,9 @@ if HAS_TRITON:
                 bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
                 x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # (a NaN stays a NaN)
         return x.to(dtype)
+
+# subtle: without it a compiler may fuse a 16-bit product into a sum, skipping a rounding torch makes (triton 3.6 does)
+TORCH_ROUNDING = dict(enable_fp_fusion=False)  # launch options of the kernels that round where torch rounds
 
 # %% ../../nbs/06c_triton_layers.ipynb #916fbdcf
 if HAS_TRITON:
@@ -108,7 +111,7 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: 
         _add_rms_norm_kernel[(xs.shape[0] * inner,)](
             out, out if total is None else total, xs, rs, weight if weight.stride(0) == 1 else weight.contiguous(),
             inner, x_outer, x_inner, r_outer, r_inner, eps, H=H, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            INTERPRETER=INTERPRETED, num_warps=warps_for(block))
+            INTERPRETER=INTERPRETED, num_warps=warps_for(block), **TORCH_ROUNDING)
     return (out,) if total is None else (out, total)
 
 # %% ../../nbs/06c_triton_layers.ipynb #42bf716b
@@ -151,7 +154,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         block = min(triton.next_power_of_2(D), SILU_BLOCK)
         _silu_and_mul_kernel[(xs.shape[0] * inner, triton.cdiv(D, block))](
             out, xs, inner, outer_stride, inner_stride, D=D, BLOCK=block, INTERPRETER=INTERPRETED,
-            num_warps=warps_for(block))
+            num_warps=warps_for(block), **TORCH_ROUNDING)
     return out
 
 # %% ../../nbs/06c_triton_layers.ipynb #68630119
@@ -249,7 +252,7 @@ def _rotate(op: str, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     _rotary_kernel[grid](q_out, k_out, q, k, positions, cos_sin_cache, q_weight if norm else q,
                          k_weight if norm else k, q.stride(0), k.stride(0), cos_sin_cache.shape[0], eps,
                          Q_HEADS=q_heads, K_HEADS=k_heads, HEAD=head_dim, HALF_PAD=half_pad, BLOCK_H=block_h, NORM=norm,
-                         INTERPRETER=INTERPRETED, num_warps=warps_for(block_h * half_pad))
+                         INTERPRETER=INTERPRETED, num_warps=warps_for(block_h * half_pad), **TORCH_ROUNDING)
     return q_out, k_out
 
 def rotary_embedding_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
