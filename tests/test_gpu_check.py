@@ -153,6 +153,28 @@ def test_the_full_checks_transformers_slice_compares_on_the_same_requests(tmp_pa
     assert rows_of(gpu_check.table(dict(transformers_slice=s))) == ["transformers batched generate (2 requests)"]
 
 
+def test_an_eager_engines_decode_rates_sit_beside_the_graphs_at_small_batches(tmp_path, gpu_check):
+    "On a GPU the decode rows carry an engine without CUDA graphs at batches up to 16, and what graphs gain."
+    from minivllm.checkpoints import make_tiny_checkpoint
+    path = make_tiny_checkpoint(tmp_path / "m", "qwen3", dtype="bfloat16")
+    plan = gpu_check.plan_for(quick=True, dry_run=True)
+    eager = gpu_check.eager_decode_rates(path, torch.device("cpu"), (1, 4, 64), plan, bandwidth_gbs=100.0)
+    assert [r["batch"] for r in eager] == [1, 4] and all(r["tokens_per_s"] > 0 for r in eager)  # 64: past 16
+    graphs = [dict(batch=b, tokens_per_s=3.0 * b, ceiling_tokens_per_s=10.0 * b, fraction=0.3) for b in (1, 64)]
+    rows = gpu_check.with_eager(graphs, [dict(batch=1, tokens_per_s=1.5)])
+    assert rows[0] == graphs[0] | dict(eager_tokens_per_s=1.5, graphs_over_eager=2.0) and rows[1] == graphs[1]
+    assert "eager 2 tok/s, graphs 2.0x" in gpu_check.table(dict(decode=rows))
+
+
+def test_the_workloads_ceiling_is_its_steps_bytes_over_the_bandwidth(tmp_path, gpu_check):
+    "Each decode step reads the weights and its keys and values: at twice the bandwidth, twice the ceiling."
+    from minivllm.checkpoints import make_tiny_checkpoint
+    path = make_tiny_checkpoint(tmp_path / "m", "qwen3", dtype="bfloat16")
+    workload = Workload.make(vocab_size=1000, num_prompts=3, input_len=(4, 12), output_len=(4, 8))
+    one, two = (gpu_check.workload_ceiling(path, workload, gbs) for gbs in (100.0, 200.0))
+    assert one > 0 and two == pytest.approx(2 * one)
+
+
 # ---------------------------------------------------------------------------------------------- the preflight
 
 def test_a_missing_module_stops_the_check_first_with_one_line_that_says_how_to_bring_it():

@@ -14,9 +14,10 @@ transformers on the same device (tiny Qwen3 and Llama, float32 and bfloat16; whe
 transformers' own logit gap between its token and ours at the first difference: a near tie that kernels' different
 sums may break either way); nano-vllm's benchmark workload (a Qwen3-0.6B-shaped random model in bfloat16, 256
 requests, prompt and output lengths uniform in 100..1024 drawn as its bench.py draws them, temperature 0.6,
-ignore_eos, max_model_len 4096); decode tokens/s at batch 1, 16, 64 and 256 beside the bandwidth ceiling (weights
-and KV read per step over the measured copy bandwidth); one decode step at batch 256 under torch.profiler, split
-into attention kernels, the other kernels, the sampler and the host; and `tools/gpu_compile_report.py --quick`
+ignore_eos, max_model_len 4096) beside its bandwidth ceiling (each decode step's weights and keys and values over
+the measured copy bandwidth: notebook 14c's `bandwidth_ceiling`); decode tokens/s at batch 1, 16, 64 and 256 beside
+the bandwidth ceiling (weights and KV read per step over the measured copy bandwidth), and at batch 1 and 16 an
+engine without CUDA graphs too; one decode step at batch 256 under torch.profiler, split into attention kernels, the other kernels, the sampler and the host; and `tools/gpu_compile_report.py --quick`
 (registers, spills, shared memory and occupancy of each Triton kernel variant, compiled for this card), run in the
 background without Triton's interpreter. Every engine runs a warm-up of the shapes its timed run meets (a prefill, a
 prefill over a cached prefix, decodes at batch 1 and at its largest batch) before the timer starts, so no Triton
@@ -28,10 +29,11 @@ How --quick fits 4 minutes (budgets in `plan_for`; seconds measured on an H200 w
     the making of the workload's 0.6B checkpoint, which run meanwhile, 90 s saw 302 of them;
   greedy 35 s (19-34 s): 8 prompts of 16 tokens, CUDA graphs only (the engine's normal path; the full check adds
     eager and 13 prompts of 32 tokens);
-  workload 30 s (12-13 s): all 256 requests, CUDA graphs only (the full check adds eager, and transformers' batched
+  workload 25 s (12-13 s): all 256 requests, CUDA graphs only (the full check adds eager, and transformers' batched
     generate on a 64-request slice): the engine's start and warm-up, then 133,966 tokens in 6.2-6.3 s;
-  decode rates 15 s (5 s) and the profiled step 5 s (1 s), in one engine; preflight, imports, environment, the
-    checkpoint and the compile report's wait 25 s (7-8 s when the tests run; the checkpoint takes 52 s without them).
+  decode rates 20 s (5 s with CUDA graphs, plus an eager engine at batches 1 and 16) and the profiled step 5 s
+    (1 s); preflight, imports, environment, the checkpoint and the compile report's wait 25 s (7-8 s when the tests
+    run; the checkpoint alone takes 52 s, so with --skip-tests the model step waits for it).
 The full check takes about 7-11 minutes on an H100: more than one 600 s call of a lent machine allows.
 `--attention-backend sdpa` (or any backend of notebook 06a) runs every engine of the check on that backend: the
 table before and after a kernel.
@@ -110,7 +112,7 @@ def plan_for(quick: bool, dry_run: bool) -> Plan:
                     transformers_slice=0 if quick else 4, batches=(1, 4), context=32, steps=8, max_model_len=256,
                     copy_mib=64, compile_report_timeout_s=90, budgets=budgets)
     if quick:  # see the module's docstring for how these fit 4 minutes
-        budgets = dict(preflight=1, imports=10, environment=5, tests=130, model=5, greedy=35, workload=30, decode=15,
+        budgets = dict(preflight=1, imports=10, environment=5, tests=130, model=5, greedy=35, workload=25, decode=20,
                        profile=5, compile_report=4)
         return Plan(greedy_prompts=8, greedy_tokens=16, greedy_eager=False, workload_eager=False, transformers_slice=0,
                     batches=(1, 16, 64, 256), context=512, steps=64, max_model_len=4096, copy_mib=1024,
@@ -582,6 +584,14 @@ def run_workload(path: Path, workload: Workload, device: torch.device, eager: bo
                 warm_up_prefix_hit_tokens=hits)
 
 
+def workload_ceiling(path: Path, workload: Workload, bandwidth_gbs: float) -> float:
+    "Output tokens/s of `workload` if each decode step read only its weights and its keys and values, at `bandwidth_gbs`."
+    from minivllm.bench.gpu_step import Card, bandwidth_ceiling
+    from minivllm.config import Config
+    config = Config.from_pretrained(path, dtype="bfloat16")
+    return bandwidth_ceiling(config, workload, Card("measured", bandwidth_gbs * 1e9, 0, 0.0))
+
+
 def transformers_slice(path: Path, workload: Workload, size: int, device: torch.device, max_model_len: int,
                        backend: str | None = None) -> dict:
     "transformers' batched generate and minivllm on the workload's first `size` requests, greedy (both)."
@@ -640,6 +650,25 @@ def decode_rates(llm: LLM, path: Path, device: torch.device, batches: tuple[int,
         rows.append(dict(batch=b, tokens_per_s=round(rate, 1), ceiling_tokens_per_s=round(ceiling, 1),
                          fraction=round(rate / ceiling, 3)))
     return rows
+
+
+def eager_decode_rates(path: Path, device: torch.device, batches: tuple[int, ...], plan: Plan, bandwidth_gbs: float,
+                       backend: str | None = None) -> list[dict]:
+    "Decode tokens/s of an engine without CUDA graphs at the `batches` (those up to 16: where graphs matter most)."
+    from minivllm import LLM
+    small = tuple(b for b in batches if b <= 16)
+    with LLM(path, dtype="bfloat16", device=device.type, enforce_eager=True, max_model_len=plan.context + plan.steps + 8,
+             max_num_seqs=max(small), attention_backend=backend) as llm:
+        warm_up(llm, max(small), 0.0)
+        return decode_rates(llm, path, device, small, plan.context, plan.steps, bandwidth_gbs)
+
+
+def with_eager(rows: list[dict], eager: list[dict]) -> list[dict]:
+    "The decode rows with the eager engine's rate beside the graphs' at the batches it ran."
+    by_batch = {r["batch"]: r["tokens_per_s"] for r in eager}
+    return [r | (dict(eager_tokens_per_s=by_batch[r["batch"]],
+                      graphs_over_eager=round(r["tokens_per_s"] / max(by_batch[r["batch"]], 1e-9), 2))
+                 if r["batch"] in by_batch else {}) for r in rows]
 
 
 # ---------------------------------------------------------------------------------------------- the tile sweep
@@ -745,7 +774,8 @@ def table(results: dict) -> str:
         add(f"workload ({r['requests']} requests), {'graphs' if r['graphs'] else 'eager'}"
             f"{', scheduled ahead' if r.get('ahead') else ''}",
             f"{r['tokens_per_s']:,.0f} tok/s", f"{r['output_tokens']:,} tokens in {r['seconds']} s, after a warm-up "
-            f"(prefix-cache hit: {r['warm_up_prefix_hit_tokens']} tokens)")
+            f"(prefix-cache hit: {r['warm_up_prefix_hit_tokens']} tokens)"
+            + (f"; ceiling {r['ceiling_tokens_per_s']:,.0f} tok/s ({r['fraction']:.0%})" if "fraction" in r else ""))
     if len(results.get("workload", [])) == 2:
         add("graphs over eager", f"{results['workload'][0]['tokens_per_s'] / results['workload'][1]['tokens_per_s']:.2f}x")
     if s := results.get("transformers_slice"):
@@ -753,7 +783,9 @@ def table(results: dict) -> str:
             f"minivllm {s['minivllm_tokens_per_s']:,.0f} tok/s on the same slice: {s['ratio']:.1f}x")
     for r in results.get("decode", []):
         add(f"decode at batch {r['batch']}", f"{r['tokens_per_s']:,.0f} tok/s",
-            f"ceiling {r['ceiling_tokens_per_s']:,.0f} tok/s ({r['fraction']:.0%})")
+            f"ceiling {r['ceiling_tokens_per_s']:,.0f} tok/s ({r['fraction']:.0%})"
+            + (f"; eager {r['eager_tokens_per_s']:,.0f} tok/s, graphs {r['graphs_over_eager']:.1f}x"
+               if "eager_tokens_per_s" in r else ""))
     if p := results.get("profile"):
         add(f"decode step at batch {p['batch']}, profiled", f"{p['wall_ms']:.2f} ms",
             f"context {p['context']}, temperature 0.6, split by {p['source']} (the profiler's own cost included)")
@@ -881,9 +913,12 @@ def main(argv: list[str] | None = None) -> int:
         save()
         if model is not None:  # else the model step's error says why the rest is missing
             with clock.step("workload", f"nano-vllm's workload, {len(workload.prompts)} requests"):
-                results["workload"] = [run_workload(model, workload, device, eager, plan.max_model_len,
-                                                    a.attention_backend)
-                                       for eager in eager_settings(device, plan.workload_eager)]
+                ceiling = workload_ceiling(model, workload, env["copy_bandwidth_gbs"])
+                results["workload"] = [r | dict(ceiling_tokens_per_s=round(ceiling, 1),
+                                                fraction=round(r["tokens_per_s"] / ceiling, 3))
+                                       for eager in eager_settings(device, plan.workload_eager)
+                                       for r in [run_workload(model, workload, device, eager, plan.max_model_len,
+                                                              a.attention_backend)]]
             save()
             if plan.transformers_slice:
                 with clock.step("transformers_slice", f"transformers on {plan.transformers_slice} requests"):
@@ -893,12 +928,15 @@ def main(argv: list[str] | None = None) -> int:
             with ExitStack() as engine:
                 llm = None
                 with clock.step("decode", f"decode rates at batch {', '.join(map(str, plan.batches))}"):
+                    # subtle: the eager engine first, and closed, so that the graphs' engine has the card to itself
+                    eager = (eager_decode_rates(model, device, plan.batches, plan, env["copy_bandwidth_gbs"],
+                                                a.attention_backend) if device.type == "cuda" else [])
                     llm = engine.enter_context(LLM(model, dtype="bfloat16", device=device.type,
                                                    max_model_len=plan.context + plan.steps + 8,
                                                    max_num_seqs=max(plan.batches), attention_backend=a.attention_backend))
                     warm_up(llm, max(plan.batches), 0.0)
-                    results["decode"] = decode_rates(llm, model, device, plan.batches, plan.context, plan.steps,
-                                                     env["copy_bandwidth_gbs"])
+                    results["decode"] = with_eager(decode_rates(llm, model, device, plan.batches, plan.context,
+                                                                plan.steps, env["copy_bandwidth_gbs"]), eager)
                 save()
                 if llm is not None:
                     with clock.step("profile", f"one decode step at batch {max(plan.batches)} under torch.profiler"):
