@@ -158,7 +158,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV-cache block (default: 16, EngineArgs.kvcache_block_size)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the device computes this one, as vLLM's option (default: on a "
-                        "GPU at one rank; nothing to overlap on the CPU)")
+                        "GPU at one rank; asked for at several; nothing to overlap on the CPU)")
 
 def _given_engine_options(a: argparse.Namespace) -> dict:
     "--device, --block-size and --async-scheduling as the engine's arguments, each only when given (else EngineArgs' default)."

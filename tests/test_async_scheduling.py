@@ -97,3 +97,14 @@ def test_stop_strings_and_streams_are_the_same_ahead():
                               streamed)
     assert outputs[True] == outputs[False]
     assert [reason for _, reason, _ in outputs[True][0]] == ["stop", "stop"]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_scheduling_ahead_at_several_ranks_gives_the_synchronous_engines_outputs(ckpt, tp):
+    "Every rank fills the pending rows from rank 0's tokens, broadcast after each step: the one-rank engine's outputs."
+    sync, _, _ = run_engine(ckpt, False)
+    ahead, ahead_steps, _ = run_engine(ckpt, True, tensor_parallel_size=tp,
+                                       max_num_batched_tokens=8, max_num_seqs=4)  # chunked prefills, rows that change
+    chunked, _, _ = run_engine(ckpt, False, max_num_batched_tokens=8, max_num_seqs=4)
+    assert_same_outputs(ahead, chunked)
+    assert_same_outputs(chunked, sync)

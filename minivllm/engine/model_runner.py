@@ -157,7 +157,9 @@ def _build(self: ModelRunner) -> None:
     self.sampler = Sampler(self._one_pass_draw()) if rank == 0 else None
     self.generator = torch.Generator(self.device).manual_seed(args.seed)
     self.host_generator = torch.Generator().manual_seed(args.seed)  # seeds of unseeded rows drawn inside a graph
-    self.sampled: torch.Tensor | None = None  # rank 0: the last step's tokens on the device, which the next may read
+    self.sampled: torch.Tensor | None = None  # the last step's tokens on the device, which the next may read
+    # scheduled ahead at TP > 1, every rank fills the next step's pending rows: rank 0 shares its tokens (`_shared`)
+    self.shares_tokens = self.world_size > 1 and bool(args.async_scheduling)
     # the block tables of the running sequences, a row each, which every step updates where they changed (notebook 06)
     self.tables = BlockTables(args.max_num_seqs, math.ceil(self.max_model_len / self.block_size), self.device)
     self.warmup()
@@ -332,13 +334,25 @@ def launch(self: ModelRunner, step: StepInputs) -> PendingOutput | None:
             hidden, prompt_logprobs = hidden[:num_seqs], self._prompt_logprobs(hidden[num_seqs:], sampling)
         if step.greedy:
             tokens = self.model.greedy_tokens(hidden)
+            if self.shares_tokens: tokens = self._shared(tokens, len(step.num_new_tokens))
             return self._output(tokens, prompt_logprobs=prompt_logprobs) if self.rank == 0 else None
         logits = self.model.compute_logits(hidden)
         if self.rank != 0:
-            return None
+            return self._shared(None, len(step.num_new_tokens)) if self.shares_tokens else None
     s, raw = sampling, logits
     tokens = self.sampler(s.apply(logits), s.temperatures, s.top_ks, s.top_ps, s.seeds, s.steps, self.generator, s.min_ps)
+    if self.shares_tokens: tokens = self._shared(tokens, len(step.num_new_tokens))
     return self._output(tokens, raw, s.num_logprobs, prompt_logprobs)
+
+@patch
+def _shared(self: ModelRunner, tokens: torch.Tensor | None, num_seqs: int) -> torch.Tensor | None:
+    "Keep rank 0's sampled `tokens` (None on the others) on every rank, by one broadcast on the device; return them on rank 0, None elsewhere."
+    # subtle: a step scheduled before this one's tokens land names them as pending rows: every rank fills them in
+    # from its own copy (`fill_pending`), so each needs rank 0's tokens, on its device, before the next step
+    if tokens is None:
+        tokens = torch.empty(num_seqs, dtype=torch.int64, device=self.device)
+    self.sampled = self.comm.broadcast(tokens.to(torch.int64), src=0)
+    return self.sampled if self.rank == 0 else None
 
 @patch
 def _output(self: ModelRunner, tokens: torch.Tensor, logits: torch.Tensor | None = None,
