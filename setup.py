@@ -43,7 +43,8 @@ setuptools.setup(
                   'minivllm.cpu': ['*.cpp', '*.h'],  # the C++ kernels' sources, compiled on first use
                   'minivllm.gpu': ['*.json']},  # the Triton attention's tiles measured on GPUs (gpu_check --sweep)
     install_requires=reqs('requirements'),
-    extras_require={'dev': reqs('dev_requirements'), 'gpu': reqs('gpu_requirements')},
+    extras_require={'dev': reqs('dev_requirements'), 'gpu': reqs('gpu_requirements'),
+                    'structured': reqs('structured_requirements')},  # structured outputs (notebook 05b)
     python_requires='>=' + min_python,
     long_description=open('README.md', encoding='utf-8').read(),
     long_description_content_type='text/markdown',

@@ -8,9 +8,10 @@ import importlib
 
 # each public name -> the module that defines it
 _LAZY = {"SamplingParams": "minivllm.sampling_params", "LLM": "minivllm.llm", "CompletionOutput": "minivllm.outputs",
-         "RequestOutput": "minivllm.outputs", "AsyncLLM": "minivllm.serve.async_llm"}
+         "RequestOutput": "minivllm.outputs", "AsyncLLM": "minivllm.serve.async_llm",
+         "StructuredOutputsParams": "minivllm.structured_outputs"}
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 def __getattr__(name: str):
     "Import the module that defines the public `name` on first use, and keep the name here for later lookups."

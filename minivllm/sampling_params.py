@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .config import INT64_MAX, check_known_fields, check_text, check_token_ids, is_int
+from .structured_outputs import StructuredOutputsParams
 
 # %% auto #0
 __all__ = ['ParamError', 'check_real', 'check_int', 'SamplingParams']
@@ -67,6 +68,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (-100 to 100)
     prompt_logprobs: int | None = None  # k: each prompt token's log-probability, and the k most likely there (0 to 20)
+    structured_outputs: StructuredOutputsParams | None = None  # what the output must match (notebook 05b); a dict of its fields too
 
     def __new__(cls, *args, **kwargs):
         "Refuse an unknown keyword by naming the ones that exist."
@@ -130,11 +132,19 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = check_int("prompt_logprobs", self.prompt_logprobs, lambda k: 0 <= k <= 20,
                                              "None or an integer from 0 to 20 (the most likely tokens to show)")
+        if isinstance(self.structured_outputs, dict):  # a server's JSON, or a user's shorthand
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except (TypeError, ValueError) as e:
+                raise ParamError("structured_outputs", f"structured_outputs: {e}") from None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ParamError("structured_outputs", "structured_outputs must be a StructuredOutputsParams (or a dict of "
+                             f"its fields), got {type(self.structured_outputs).__name__}")
 
     @property
     def needs_logits(self) -> bool:
-        "Whether sampling needs the whole logits row even when greedy: penalties change it, logprobs report it."
+        "Whether sampling needs the whole logits row even when greedy: penalties and constraints change it, logprobs report it."
         # subtle: min_p never removes the most likely token, so it leaves greedy alone; min_tokens changes greedy only
         # while the request is short of it, which the step decides (notebook 09's ScheduledBatch.step_inputs)
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or self.logprobs is not None or self.logit_bias is not None)
+                or self.logprobs is not None or self.logit_bias is not None or self.structured_outputs is not None)

@@ -45,7 +45,7 @@ class GraphDraws(NamedTuple):
         if s is None:
             return cls([0.0] * n, [0.0] * n, [0] * n, [0] * n, [1] * n)
         if (s.output_token_ids is not None or s.masked_token_ids is not None or s.logit_biases is not None
-                or s.num_logprobs is not None or any(0 < k < vocab for k in s.top_ks) or any(p < 1 for p in s.top_ps)):
+                or s.num_logprobs is not None or s.allowed_tokens is not None or any(0 < k < vocab for k in s.top_ks) or any(p < 1 for p in s.top_ps)):
             return None
         drawn = random_seeds(n, "cpu", generator).tolist() if None in s.seeds else None  # on the host: no device read
         seeds = [int64_seed(seed) if seed is not None else drawn[i] for i, seed in enumerate(s.seeds)]

@@ -5,6 +5,7 @@
 # %% ../../nbs/11b_llm_engine.ipynb #9d4e6cec
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from collections import deque
@@ -24,6 +25,7 @@ from .step import PendingOutput
 from ..sampling_params import SamplingParams
 from .sequence import Sequence
 from ..sampling_params import ParamError
+from ..structured_outputs import Grammars, StructuredOutputsParams
 from fastcore.basics import patch
 
 if TYPE_CHECKING:  # the channels' types, for the annotations only: the ranks are notebook 11a's business
@@ -67,6 +69,24 @@ class LLMEngine:
     @property
     def closed(self) -> bool: return self.ranks.closed
 
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        "The structured outputs' constraints over this model's tokenizer (notebook 05b), made at the first request with one."
+        from transformers import AutoTokenizer
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self.args.model)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"structured outputs need the model's tokenizer, and {self.args.model} has none that "
+                             f"loads ({e})") from None
+        return Grammars(tokenizer, self.config.vocab_size)
+
+    def matchers(self, params: StructuredOutputsParams, n: int) -> list:
+        "`n` matchers of the constraint `params` (one a sample); `ParamError` naming what is wrong with it."
+        try:
+            return [self.grammars.matcher(params) for _ in range(n)]
+        except (ValueError, ImportError) as e:  # (ImportError: llguidance is not installed; its message says how)
+            raise ParamError("structured_outputs", str(e)) from None
+
     def close(self) -> None:
         "Stop the worker processes, free the shared memory and leave the process group. Idempotent."
         self._finalizer()
@@ -106,6 +126,9 @@ def add(self: LLMEngine, prompt_token_ids: list[int], sampling_params: SamplingP
         for i in range(1, params.n):  # the other samples of the prompt share its blocks (notebook 09)
             seqs.append(self.scheduler.add(seqs[0].prompt_token_ids, replace(params, seed=sample_seed(params.seed, i)),
                                            shares_prompt_with=seqs[0]))
+        if params.structured_outputs is not None:  # each sample its own matcher, before any step runs it
+            for seq, matcher in zip(seqs, self.matchers(params.structured_outputs, params.n)):
+                seq.matcher = matcher
     except BaseException:
         for seq in seqs: self.scheduler.abort(seq)
         raise

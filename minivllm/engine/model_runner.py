@@ -339,7 +339,8 @@ def launch(self: ModelRunner, step: StepInputs) -> PendingOutput | None:
         logits = self.model.compute_logits(hidden)
         if self.rank != 0:
             return self._shared(None, len(step.num_new_tokens)) if self.shares_tokens else None
-    s, raw = sampling, logits
+    s = sampling
+    logits = raw = s.constrained(logits)  # (a constraint's mask first: logprobs are of what may be sampled)
     tokens = self.sampler(s.apply(logits), s.temperatures, s.top_ks, s.top_ps, s.seeds, s.steps, self.generator, s.min_ps)
     if self.shares_tokens: tokens = self._shared(tokens, len(step.num_new_tokens))
     return self._output(tokens, raw, s.num_logprobs, prompt_logprobs)

@@ -287,9 +287,10 @@ def _ends_by_length(self: Scheduler, seq: Sequence) -> bool:
 
 @patch
 def needs_landed_tokens(self: Scheduler) -> bool:
-    "Whether a running sequence's next step reads the values of its tokens on their way (penalties count them): schedule only once they land."
+    "Whether a running sequence's next step reads the values of its tokens on their way (penalties count them, a constraint's mask follows them): schedule only once they land."
     return any(s.num_pending and (s.sampling_params.presence_penalty or s.sampling_params.frequency_penalty
-                                  or s.sampling_params.repetition_penalty != 1) for s in self.running)
+                                  or s.sampling_params.repetition_penalty != 1 or s.matcher is not None)
+               for s in self.running)
 
 @patch
 def _grow(self: Scheduler, seq: Sequence, preempted: list[Sequence]) -> bool:
@@ -356,6 +357,8 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
             continue  # a chunk of a prompt: its logits are not the next token's
         seq.num_pending -= 1
         seq.token_ids.append(int(token))
+        if seq.matcher is not None:  # its constraint takes the token: the next step's mask follows from it
+            seq.matcher.consume(int(token))
         if seq.logprobs is not None:
             seq.logprobs.append(logprobs[i])
             seq.logprob_ranks.append(logprob_ranks[i] if logprob_ranks else None)
@@ -366,7 +369,7 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
 
 @patch
 def _finish_reason(self: Scheduler, seq: Sequence) -> str | None:
-    "'stop' after EOS or a stop token (kept in `seq.stop_reason`) with at least min_tokens tokens before it, 'length' at max_tokens or max_model_len, else None."
+    "'stop' after EOS or a stop token (kept in `seq.stop_reason`) with at least min_tokens tokens before it, 'length' at max_tokens or max_model_len, 'stop' too once its constraint is complete (structured outputs), else None."
     params, token = seq.sampling_params, seq.token_ids[-1]
     generated = len(seq.token_ids) - seq.num_prompt_tokens  # landed: not those on their way
     # subtle: the sampler never picks EOS or a stop token while fewer than min_tokens tokens precede it
@@ -379,4 +382,6 @@ def _finish_reason(self: Scheduler, seq: Sequence) -> str | None:
             return "stop"
     if generated >= (params.max_tokens or self.max_model_len) or len(seq.token_ids) >= self.max_model_len:
         return "length"
+    if seq.matcher is not None and seq.matcher.is_stopped:  # the constraint is complete: nothing may follow
+        return "stop"
     return None

@@ -47,6 +47,7 @@ class Sequence:
             [None] if self.sampling_params.prompt_logprobs is not None else None)
         self.prompt_logprob_ranks: list[int | None] | None = [None] if self.prompt_logprobs is not None else None
         self.shares_prompt_with: Sequence | None = None  # another sample of the same prompt, admitted before this one
+        self.matcher = None  # its constraint's `Matcher` (structured outputs, notebook 05b): the engine gives it one
 
     @property
     def num_tokens(self) -> int: return len(self.token_ids) + self.num_pending  # landed, and on their way

@@ -12,6 +12,7 @@ import torch
 
 from ..kv_cache import DECODE_GROUP_SIZE, AttentionMetadata, BlockTables, slot_mappings, step_metadata
 from ..sampler import add_logit_bias, apply_penalties, mask_tokens, read_logprob_table
+from ..structured_outputs import allowed_tokens, mask_logits
 
 if TYPE_CHECKING:
     from minivllm.engine.sequence import Sequence
@@ -39,6 +40,7 @@ class SamplingInputs:
     logit_biases: list[dict[int, float] | None] | None = None  # per sequence: its logit_bias; None: no sequence has one
     prompt_logprob_tokens: list[int] | None = None  # per row of the step's prompt_logprob_rows: the prompt token it predicts
     num_prompt_logprobs: list[int] | None = None  # per such row: its sequence's prompt_logprobs (the top tokens to show)
+    allowed_tokens: torch.Tensor | None = None  # int32 bits [rows, vocab / 32]: the tokens each row's constraint allows
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], masked_token_ids: list[list[int]] | None = None,
@@ -48,6 +50,7 @@ class SamplingInputs:
         inputs = cls([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
                      [p.seed for p in params], [s.num_completion_tokens for s in seqs])
         inputs.masked_token_ids = masked_token_ids
+        inputs.allowed_tokens = allowed_tokens([s.matcher for s in seqs]) if any(p.structured_outputs for p in params) else None
         if prompt_logprob_rows:
             inputs.prompt_logprob_tokens = [seqs[i].token_ids[p] for _, i, p in prompt_logprob_rows]
             inputs.num_prompt_logprobs = [seqs[i].sampling_params.prompt_logprobs for _, i, _ in prompt_logprob_rows]
@@ -68,6 +71,10 @@ class SamplingInputs:
         if any(p.logprobs is not None for p in params):
             inputs.num_logprobs = [p.logprobs for p in params]
         return inputs
+
+    def constrained(self, logits: torch.Tensor) -> torch.Tensor:
+        "The logits with every token a row's constraint leaves out at -inf (structured outputs); what logprobs report."
+        return logits if self.allowed_tokens is None else mask_logits(logits, self.allowed_tokens)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         "The logits after the settings that change even greedy's choice: min_tokens' mask, the logit biases, then the penalties (vLLM's order)."

@@ -1,0 +1,131 @@
+"""Structured outputs (notebook 05b) through the engine: every schema of the corpus (tests/structured_corpus.py) gives
+output that parses and validates, greedy and sampled, on the packaged model and on a random one; choices, regexes and
+grammars hold; a constraint keeps working with n, stop strings, logprobs, scheduling ahead, several ranks, preemption
+and chunked prefills; a bad constraint is refused naming the problem, and the engine serves the next request."""
+import json
+import re
+
+import pytest
+
+from minivllm import LLM, SamplingParams
+from minivllm.sampling_params import ParamError
+from minivllm.structured_outputs import StructuredOutputsParams
+from structured_corpus import SCHEMAS
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+
+PROMPTS = ["ROMEO.", "JULIET.", "First Citizen.", "HAMLET.", "KING HENRY.", "NURSE.", "MERCUTIO.", "LADY MACBETH."]
+
+
+@pytest.fixture(scope="module")
+def packaged():
+    with LLM(max_model_len=1024) as llm:
+        yield llm
+
+
+def assert_valid(outs, schemas):
+    "Every output finished (not cut by length), parses, and validates against its schema."
+    for out, schema in zip(outs, schemas, strict=True):
+        for c in out.outputs:
+            assert c.finish_reason == "stop", (c.finish_reason, c.text, schema)
+            jsonschema.validate(json.loads(c.text), schema)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_every_schema_of_the_corpus_parses_and_validates_on_the_packaged_model(packaged, temperature):
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=400, structured_outputs=dict(json=s))
+              for i, s in enumerate(SCHEMAS)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(SCHEMAS))]
+    assert_valid(packaged.generate(prompts, params, use_tqdm=False), SCHEMAS)
+
+
+def test_every_schema_of_the_corpus_parses_and_validates_on_a_random_model(chat_ckpt):
+    "A random model (the packaged tokenizer) writes whatever its logits say: the mask alone makes it valid."
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=400, structured_outputs=dict(json=s))
+              for i, s in enumerate(SCHEMAS)]
+    with LLM(chat_ckpt, max_model_len=512) as llm:
+        outs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(SCHEMAS))], params, use_tqdm=False)
+    assert_valid(outs, SCHEMAS)
+
+
+def test_choices_regexes_grammars_and_json_objects(packaged):
+    cases = [(dict(choice=["Romeo", "Juliet", 'Mer"cutio']), lambda t: t in ("Romeo", "Juliet", 'Mer"cutio')),
+             (dict(regex="[A-Z][a-z]{1,8} [0-9]{2}"), lambda t: re.fullmatch("[A-Z][a-z]{1,8} [0-9]{2}", t)),
+             (dict(grammar='start: "(" WORD ("," WORD)? ("," WORD)? ")"\nWORD: /[a-z]{1,5}/'),
+              lambda t: re.fullmatch(r"\([a-z]{1,5}(,[a-z]{1,5}){0,2}\)", t)),
+             (dict(grammar='root ::= "yes" | "no" | "maybe"'), lambda t: t in ("yes", "no", "maybe")),
+             (dict(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                   disable_any_whitespace=True), lambda t: " " not in t and isinstance(json.loads(t)["a"], int))]
+    for constraint, holds in cases:
+        for temperature in (0.0, 1.0):
+            [out] = packaged.generate(["ROMEO."], SamplingParams(temperature=temperature, seed=3, max_tokens=200,
+                                                                structured_outputs=constraint), use_tqdm=False)
+            text = out.outputs[0].text
+            assert out.outputs[0].finish_reason == "stop" and holds(text), (constraint, text)
+    # any JSON object: the packaged model may write one key without end (a free string), but never leaves JSON
+    outs = packaged.generate(PROMPTS, SamplingParams(temperature=0.9, seed=1, max_tokens=60,
+                                                     structured_outputs=dict(json_object=True)), use_tqdm=False)
+    for c in (out.outputs[0] for out in outs):
+        assert c.text.startswith("{") and (c.finish_reason == "length" or isinstance(json.loads(c.text), dict)), c.text
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                           "colour": {"enum": ["red", "green", "blue"]}}, "required": ["name", "colour"]}
+
+
+def constrained_run(llm, **extra):
+    "Five requests under SCHEMA (n = 2, stop strings, logprobs among them): each completion's tokens, text and ending."
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=100, structured_outputs=dict(json=SCHEMA), **kw)
+              for i, kw in enumerate([{}, dict(n=2), dict(logprobs=2), dict(stop=["zzz-never"]), {}])]
+    outs = llm.generate(PROMPTS[:5], params, use_tqdm=False)
+    for out in outs:
+        for c in out.outputs:
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+    return [(c.token_ids, c.text, c.finish_reason) for out in outs for c in out.outputs]
+
+
+@pytest.mark.parametrize("setting", [dict(async_scheduling=True), dict(tensor_parallel_size=2),
+                                     dict(max_num_batched_tokens=16, max_num_seqs=3),
+                                     dict(num_kvcache_blocks=8, kvcache_block_size=16, max_model_len=128)],
+                         ids=["ahead", "tp2", "chunked", "preempting"])
+def test_a_constraint_gives_the_same_outputs_whatever_runs_it(chat_ckpt, setting):
+    "Scheduled ahead, over two ranks, in chunks, or preempted: the same valid completions as the plain engine's."
+    with LLM(chat_ckpt, max_model_len=256) as llm:
+        plain = constrained_run(llm)
+    with LLM(chat_ckpt, **{"max_model_len": 256, **setting}) as llm:
+        assert constrained_run(llm) == plain
+        assert "num_kvcache_blocks" not in setting or llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_logprobs_are_of_what_the_constraint_allows(packaged):
+    [out] = packaged.generate(["ROMEO."], SamplingParams(temperature=0, max_tokens=20, logprobs=5,
+                                                         structured_outputs=dict(choice=["Romeo", "Juliet"])),
+                              use_tqdm=False)
+    first = out.outputs[0].logprobs[0]  # the sampled token's and the 5 likeliest: each one that can start a choice
+    assert all(lp.logprob > float("-inf") and any(c.startswith(lp.decoded_token) for c in ("Romeo", "Juliet"))
+               for lp in first.values()), first
+
+
+@pytest.mark.parametrize("constraint, message", [
+    (dict(json={"type": "strin"}), "the json constraint does not compile"),
+    (dict(regex="(unclosed"), "the regex constraint does not compile"),
+    (dict(grammar="start: nowhere"), "the grammar constraint does not compile"),
+    (dict(choice=[]), "choice must be a non-empty list of strings"),
+    (dict(json={"type": "object"}, regex="a"), "exactly one of"),
+    (dict(structural_tag="{}", json_object=True), "structural_tag is not supported"),
+    (dict(jsn={}), "jsn")])
+def test_a_bad_constraint_is_refused_and_the_engine_serves_the_next_request(packaged, constraint, message):
+    with pytest.raises((ParamError, ValueError), match=re.escape(message)):
+        packaged.generate(["ROMEO."], SamplingParams(max_tokens=5, structured_outputs=constraint), use_tqdm=False)
+    [out] = packaged.generate(["ROMEO."], SamplingParams(max_tokens=5, structured_outputs=dict(choice=["ok"])),
+                              use_tqdm=False)
+    assert out.outputs[0].text == "ok"
+
+
+def test_params_take_the_dataclass_or_a_dict_and_name_a_wrong_type():
+    assert SamplingParams(structured_outputs=dict(json_object=True)).structured_outputs == \
+        StructuredOutputsParams(json_object=True)
+    with pytest.raises(ParamError, match="structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs="json")
+    assert SamplingParams(structured_outputs=dict(choice=["a"])).needs_logits  # never the plain greedy path
