@@ -3,6 +3,7 @@ clients at once at TP=2, clients that drop mid-stream, bad requests, and SIGTERM
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -567,3 +568,35 @@ def test_a_prompt_the_server_refuses_leaves_no_library_warning_in_its_log(tp2):
                    headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert r.status_code == 400 and "but max_model_len is 256" in r.json()["error"]["message"], r.text
     assert not any("transformers" in line or "Token indices" in line for line in tp2.log[before:]), tp2.log[before:]
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "ok": {"type": "boolean"}},
+          "required": ["name", "ok"]}
+
+
+def test_structured_outputs_on_both_routes_and_bad_constraints_are_400s(tp2):
+    "OpenAI's response_format and vLLM's structured_outputs constrain chats and completions, streamed or whole."
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    c = client(tp2)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    chat = c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=100, temperature=0.8, seed=1,
+                                     response_format=fmt)
+    jsonschema.validate(json.loads(chat.choices[0].message.content), PERSON)
+    whole = c.completions.create(model="tiny", prompt="Yes or no?", max_tokens=20, temperature=0,
+                                 extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert whole.choices[0].text in ("yes", "no") and whole.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="tiny", prompt="A code:", max_tokens=20, temperature=1.0, seed=2, stream=True,
+        extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{2}"}}) if ch.choices)
+    assert re.fullmatch("[A-Z]{3}-[0-9]{2}", streamed), streamed
+    bad = [(dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}),
+            "structured_outputs", "does not compile"),
+           (dict(response_format={"type": "xml"}), "response_format", "must be 'text', 'json_object' or 'json_schema'"),
+           (dict(extra_body={"structured_outputs": {"regex": "(a"}}), "structured_outputs", "does not compile"),
+           (dict(extra_body={"structured_outputs": {"choice": []}}), "structured_outputs", "non-empty list")]
+    for extra, param, said in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="tiny", messages=HELLO, max_tokens=8, **extra)
+        assert e.value.body["param"] == param and said in e.value.body["message"], e.value.body
+    assert c.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0).choices[0].text is not None

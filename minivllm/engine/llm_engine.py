@@ -11,7 +11,7 @@ import weakref
 from collections import deque
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..config import check_token_ids
 from ..model_source import model_folder
@@ -25,7 +25,7 @@ from .step import PendingOutput
 from ..sampling_params import SamplingParams
 from .sequence import Sequence
 from ..sampling_params import ParamError
-from ..structured_outputs import Grammars, StructuredOutputsParams
+from ..structured_outputs import Grammars, Matcher, StructuredOutputsParams
 from fastcore.basics import patch
 
 if TYPE_CHECKING:  # the channels' types, for the annotations only: the ranks are notebook 11a's business
@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # the channels' types, for the annotations only: the ranks ar
     from minivllm.cluster import GlooCommandChannel
 
 # %% auto #0
-__all__ = ['LLMEngine', 'sample_seed', 'check_params_for_vocab']
+__all__ = ['LLMEngine', 'sample_seed', 'check_params_for_vocab', 'constraint_matchers']
 
 # %% ../../nbs/11b_llm_engine.ipynb #edca0960
 class LLMEngine:
@@ -80,12 +80,6 @@ class LLMEngine:
                              f"loads ({e})") from None
         return Grammars(tokenizer, self.config.vocab_size)
 
-    def matchers(self, params: StructuredOutputsParams, n: int) -> list:
-        "`n` matchers of the constraint `params` (one a sample); `ParamError` naming what is wrong with it."
-        try:
-            return [self.grammars.matcher(params) for _ in range(n)]
-        except (ValueError, ImportError) as e:  # (ImportError: llguidance is not installed; its message says how)
-            raise ParamError("structured_outputs", str(e)) from None
 
     def close(self) -> None:
         "Stop the worker processes, free the shared memory and leave the process group. Idempotent."
@@ -127,7 +121,7 @@ def add(self: LLMEngine, prompt_token_ids: list[int], sampling_params: SamplingP
             seqs.append(self.scheduler.add(seqs[0].prompt_token_ids, replace(params, seed=sample_seed(params.seed, i)),
                                            shares_prompt_with=seqs[0]))
         if params.structured_outputs is not None:  # each sample its own matcher, before any step runs it
-            for seq, matcher in zip(seqs, self.matchers(params.structured_outputs, params.n)):
+            for seq, matcher in zip(seqs, constraint_matchers(lambda: self.grammars, params.structured_outputs, params.n)):
                 seq.matcher = matcher
     except BaseException:
         for seq in seqs: self.scheduler.abort(seq)
@@ -139,6 +133,13 @@ def abort(self: LLMEngine, seqs: list[Sequence], reason: str = "abort") -> None:
     "Stop these sequences now, wherever they are: they finish with `reason`, their blocks free."
     for seq in seqs:
         self.scheduler.abort(seq, reason)
+
+def constraint_matchers(grammars: Callable[[], Grammars], params: StructuredOutputsParams, n: int) -> list[Matcher]:
+    "`n` matchers of the constraint `params` (one a sample) from the `grammars()` of a model; `ParamError` naming what is wrong with it."
+    try:
+        return [grammars().matcher(params) for _ in range(n)]
+    except (ValueError, ImportError) as e:  # (ImportError: llguidance is not installed; its message says how)
+        raise ParamError("structured_outputs", str(e)) from None
 
 # %% ../../nbs/11b_llm_engine.ipynb #a92c18d5
 @patch

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import threading
 from collections.abc import AsyncIterator
@@ -20,7 +21,8 @@ from .core import (Abort, AddRequest, EngineCoreGone, EngineCoreProcess, EngineS
 from ..engine.args import EngineArgs
 from ..engine.scheduler import check_fits
 from ..sampling_params import SamplingParams
-from ..engine.llm_engine import check_params_for_vocab
+from ..engine.llm_engine import check_params_for_vocab, constraint_matchers
+from ..structured_outputs import Grammars
 from ..logger import configure_logging, logger
 from ..outputs import (CompletionDelta, Request, RequestOutput, check_params_for_tokenizer, encode_prompt,
                               load_tokenizer)
@@ -181,12 +183,19 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        "The structured outputs' constraints over the front end's tokenizer (notebook 05b), made at the first request with one."
+        return Grammars(self.tokenizer, self.config.vocab_size)
+
     def check(self, prompt: str | list[int], params: SamplingParams, must_fit: bool = False) -> tuple[str | None, list[int]]:
         "`(text, token_ids)` of a request the engine core would take; `ValueError` saying why it would refuse it."
         check_stop_strings(params.stop, self.max_stop_strings, self.max_stop_string_chars)  # before any tokenizing
         text, ids = encode_prompt(prompt, self.tokenizer, self.config.vocab_size, self.args.model)
         check_params_for_tokenizer(params, self.tokenizer, self.args.model)
         check_params_for_vocab(params, self.config.vocab_size)  # the core's own check (notebook 11b), here at once
+        if params.structured_outputs is not None:  # compiled here too (each side caches it): refused before the core
+            constraint_matchers(lambda: self.grammars, params.structured_outputs, 1)
         # subtle: the scheduler's own rule (notebook 09), so that a batch of prompts is judged whole before any runs
         check_fits(len(ids), params.max_tokens, self.args.max_model_len, self.core.num_blocks,
                    self.args.kvcache_block_size, must_fit)

@@ -38,7 +38,7 @@ from .. import __version__
 from .async_llm import AsyncLLM
 from ..config import check_text
 from ..distributed import listen_socket
-from ..sampling_params import SamplingParams
+from ..sampling_params import ParamError, SamplingParams
 from ..logger import logger
 from ..model_source import DEFAULT_MODEL_NAME
 from ..outputs import CompletionOutput, Logprob, RequestOutput, load_tokenizer
@@ -86,6 +86,8 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True  # vLLM's: leave special tokens out of the text
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key, so a string) -> bias from -100 to 100
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-probability and the k most likely (0 to 20)
+    response_format: dict | None = None  # OpenAI's: {"type": "text"}, "json_object", or "json_schema" with its schema
+    structured_outputs: dict | None = None  # vLLM's: StructuredOutputsParams' fields (notebook 05b)
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -98,7 +100,25 @@ class SamplingFields(BaseModel):
                               min_p=self.min_p, min_tokens=self.min_tokens, max_tokens=max_tokens, logprobs=logprobs,
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
-                              prompt_logprobs=self.prompt_logprobs)
+                              prompt_logprobs=self.prompt_logprobs, structured_outputs=self.constraint())
+
+    def constraint(self) -> dict | None:
+        "The fields of the output's constraint: vLLM's `structured_outputs`, or OpenAI's `response_format` as one; `ParamError` naming what is wrong."
+        fmt = self.response_format
+        if fmt is None or fmt.get("type") == "text":
+            return self.structured_outputs
+        if self.structured_outputs is not None:
+            raise ParamError("response_format", "give response_format or structured_outputs, not both")
+        if fmt.get("type") == "json_object":
+            return {"json_object": True}
+        if fmt.get("type") == "json_schema":  # {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ParamError("response_format", "response_format json_schema needs its schema: "
+                                 '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}')
+            return {"json": spec["schema"]}
+        raise ParamError("response_format", f"response_format type must be 'text', 'json_object' or 'json_schema', "
+                         f"got {fmt.get('type')!r}")
 
     def not_honoured(self) -> tuple[str, str] | None:
         "`(field, message)` for the first field given that this server cannot honour, else None."
@@ -145,7 +165,6 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict | None = None
     functions: list[dict] | None = None  # OpenAI's older names for tools and tool_choice
     function_call: str | dict | None = None
-    response_format: dict | None = None  # {"type": "text"} only: replies are not constrained to JSON
 
     def not_honoured(self) -> tuple[str, str] | None:
         calls = "minivllm does not call tools (its replies are plain text): drop {}, or describe the tools in a message"
@@ -155,9 +174,6 @@ class ChatCompletionRequest(SamplingFields):
         for name in ("tool_choice", "function_call"):
             if getattr(self, name) not in (None, "none", "auto"):
                 return name, f"{name} {getattr(self, name)!r} is not supported: " + calls.format(name)
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            return "response_format", (f"response_format {self.response_format.get('type')!r} is not supported: "
-                                       "minivllm does not constrain its replies to JSON; drop response_format")
         return super().not_honoured()
 
     def max_new_tokens(self) -> int | None:
