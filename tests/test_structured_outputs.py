@@ -129,3 +129,16 @@ def test_params_take_the_dataclass_or_a_dict_and_name_a_wrong_type():
     with pytest.raises(ParamError, match="structured_outputs must be a StructuredOutputsParams"):
         SamplingParams(structured_outputs="json")
     assert SamplingParams(structured_outputs=dict(choice=["a"])).needs_logits  # never the plain greedy path
+
+
+def test_a_decode_graph_never_draws_for_a_constrained_row():
+    "A CUDA graph's one-pass draw cannot see a constraint: a step with one leaves the graph's logits to the sampler."
+    import torch
+
+    from minivllm.engine.cuda_graphs import GraphDraws
+    from minivllm.engine.step import SamplingInputs, StepInputs
+    step = StepInputs.build(False, [[5], [6]], [3, 4], [[0], [1]], 16)
+    step.sampling = SamplingInputs([0.8, 0.8], [-1, -1], [1.0, 1.0], [1, 2], [0, 0])
+    assert GraphDraws.of_step(step, 100) is not None
+    step.sampling.allowed_tokens = torch.full((2, 4), -1, dtype=torch.int32)
+    assert GraphDraws.of_step(step, 100) is None
