@@ -143,36 +143,33 @@ class Matcher:
         return self.matcher.is_stopped() or self.matcher.is_error()
 
 class Grammars:
-    "The constraints of one model: each checked once against its tokenizer (cached by its text), each request's `Matcher` made from it."
+    "The constraints of one model: each compiled once against its tokenizer (cached by its text), each request's `Matcher` a copy of it."
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = 256):
         llguidance = require_llguidance()
         self.vocab_size, self.cache_size = vocab_size, cache_size
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
-        self._checked: OrderedDict[str, str] = OrderedDict()  # constraint's text -> its checked grammar
+        self._compiled: OrderedDict[str, object] = OrderedDict()  # constraint's text -> a matcher that took nothing
 
-    def grammar(self, p: StructuredOutputsParams) -> str:
-        "The checked grammar of `p`; `ValueError` naming what does not compile."
+    def compiled(self, p: StructuredOutputsParams):
+        "llguidance's matcher of `p` at its start, made once (the last 256 kept); `ValueError` naming what does not compile."
         from llguidance import LLMatcher
         key = json.dumps([p.kind, getattr(p, p.kind), json_options(p), p.disable_additional_properties], sort_keys=True)
-        if key in self._checked:
-            self._checked.move_to_end(key)
-            return self._checked[key]
+        if key in self._compiled:
+            self._compiled.move_to_end(key)
+            return self._compiled[key]
         grammar = grammar_text(p)
         error = LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if error:
-            raise ValueError(f"the {p.kind} constraint does not compile: {error.strip()}")
-        self._checked[key] = grammar
-        if len(self._checked) > self.cache_size:
-            self._checked.popitem(last=False)
-        return grammar
+        matcher = None if error else LLMatcher(self.tokenizer, grammar, log_level=0)
+        if error or matcher.is_error():
+            raise ValueError(f"the {p.kind} constraint does not compile: {(error or matcher.get_error()).strip()}")
+        self._compiled[key] = matcher
+        if len(self._compiled) > self.cache_size:
+            self._compiled.popitem(last=False)
+        return matcher
 
     def matcher(self, p: StructuredOutputsParams) -> Matcher:
-        "A new request's `Matcher` for `p`."
-        from llguidance import LLMatcher
-        matcher = LLMatcher(self.tokenizer, self.grammar(p), log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"the {p.kind} constraint does not compile: {matcher.get_error()}")
-        return Matcher(matcher, self.vocab_size)
+        "A new request's `Matcher` for `p`: a copy of the compiled one (about 4 us, where compiling takes 0.3 ms and up)."
+        return Matcher(self.compiled(p).deep_copy(), self.vocab_size)
 
 # %% ../nbs/05b_structured_outputs.ipynb #58a68a29
 @functools.cache
