@@ -3,8 +3,8 @@
 Three measurements on the packaged model (64 requests, prompts the play's speaker names, sampled at temperature 0.8
 with a seed each), in alternating order, `--repeats` times:
 
-- constrained: each request under one of the test corpus's schemas (tests/structured_corpus.py, in turn); output
-  tokens/s, and how many outputs parse and validate;
+- constrained: each request under one of the test corpus's schemas (tests/structured_corpus.py, in turn), each
+  schema compiled before (a warm-up run); output tokens/s, and how many outputs parse and validate;
 - free: the same prompts without a constraint, each request cut at the length its constrained output had (EOS
   ignored), so both runs generate the same tokens: the ratio of the two is what a constraint costs;
 - first token: one request's time to its first token with a schema never seen (a new `maxLength` each time, so no
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts, schemas, params = workload(a.requests, a.max_tokens)
     runs = []
     with LLM(max_model_len=512) as llm:
-        llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm up (the corpus's grammars compile here)
+        llm.generate(prompts, params, use_tqdm=False)  # warm up: every schema compiled once (first token says its cost)
         for r in range(a.repeats):
             for kind in (("constrained", "free") if r % 2 == 0 else ("free", "constrained")):
                 if kind == "constrained":
