@@ -48,6 +48,11 @@ def test_every_variant_compiles_for_sm80_and_sm90(report):
     want |= {(k, d, h, None, a) for k, d, h, a in itertools.product(("store", "merge splits", *t.LAYER_LABELS), t.DTYPES,
                                                                      t.HEAD_SIZES, t.ARCHS)}
     want |= {(k, d, None, None, a) for k, d, a in itertools.product(t.HEAD_FREE_LABELS, t.DTYPES, t.ARCHS)}
+    from minivllm.gpu.triton_attention import measured_tiles
+    for key in measured_tiles():  # a GPU's sweep's tiles, compiled for the arch that measured them
+        arch, head, group, dtype, phase = key.split("/")
+        labels = ("decode", "split decode") if phase == "decode" else ("prefill", "prefill over a prefix")
+        want |= {(f"{label} (measured)", dtype, int(head[4:]), int(group[5:]), int(arch[2:])) for label in labels}
     got = [(r["kernel"], r["dtype"], r["head_size"], r["group"], r["arch"]) for r in rows]
     assert sorted(got, key=str) == sorted(want, key=str)
     assert all(r["registers"] > 0 and r["blocks_per_sm"] >= 1 for r in rows)
@@ -95,7 +100,8 @@ def test_the_report_covers_every_kernel_of_the_package():
 def test_quick_takes_qwen3_shapes_and_refuses_an_unknown_arch():
     run = run_report("--quick", "--arch", "90")
     assert run.returncode == 0, run.stderr[-4000:]
-    rows = [line for line in run.stdout.splitlines() if "| sm_90 |" in line]
+    rows = [line for line in run.stdout.splitlines() if "| sm_90 |" in line and "(measured)" not in line]
+    assert any("| decode (measured) | bfloat16 | 128 | 2 | sm_90 |" in line for line in run.stdout.splitlines())
     assert len(rows) == 12 and all("| bfloat16 | 128 |" in line for line in rows
                                    if not line.startswith(("| argmax |", "| sample rows |")))
     assert "| argmax | bfloat16 | - | - | sm_90 |" in run.stdout  # over the vocabulary: no head size

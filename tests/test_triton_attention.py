@@ -113,6 +113,41 @@ def test_programs_in_any_order_write_only_their_own_rows(heads, block_size, dtyp
                                    **ATTENTION_TOL[dtype])
 
 
+
+def shipped_tiles() -> list[tuple[str, int, int, torch.dtype, bool, dict]]:
+    "Each variant of the package's triton_tiles.json (a GPU's sweep): its key, head size, group, dtype, phase, tiles."
+    from minivllm.gpu.triton_attention import measured_tiles
+    rows = []
+    for key, chosen in measured_tiles().items():
+        _, head, group, dtype, phase = key.split("/")
+        rows.append((key, int(head.removeprefix("head")), int(group.removeprefix("group")), getattr(torch, dtype),
+                     phase == "decode", chosen))
+    return rows
+
+
+@pytest.mark.parametrize("order", ("reversed", "shuffled"))
+def test_the_shipped_measured_tiles_give_dense_attention_in_any_order(order):
+    "The tiles a GPU's sweep chose (used there, never on the CPU) against dense attention, the grid in any order."
+    from minivllm.gpu.triton_attention import TritonTiles, triton_tiles
+    assert shipped_tiles(), "the package ships no measured tiles: tools/gpu_check.py --sweep writes them"
+    lengths, cached = [70, 45, 131], [0, 20, 64]  # several tiles of 64 keys; prefixes in and on a tile's edge
+    for key, head_dim, group, dtype, decode, chosen in shipped_tiles():
+        case = PagedCase(lengths, 16, 2 * group, 2, dtype, device=DEVICE, head_dim=head_dim, seed=7)
+        tiles = TritonTiles(triton_tiles(2 * group, 2, decode, dtype).block_m, chosen["tile"], chosen["warps"])
+        run = lambda *a: kernel()(*a, case.scale, tiles=tiles)
+        case.store_prefix(lengths)
+        with interpreter_programs(order, seed=3) if not ON_GPU else nullcontext([]) as launches:
+            if decode:
+                last = [n - 1 for n in lengths]
+                out = case.run(run, last, None, decode_metadata(case.tables, lengths, 16, DEVICE, group_size=None))
+                want = torch.stack([e[-1] for e in case.expected])
+            else:
+                md = prefill_metadata(case.tables, cached, [n - c for n, c in zip(lengths, cached)], 16, DEVICE)
+                out = case.run(run, cached, None, md)
+                want = torch.cat([e[c:] for e, c in zip(case.expected, cached)])
+        assert [written_twice(launch) for launch in launches] == [{}] * len(launches), key
+        torch.testing.assert_close(out.flatten(1).float(), want, **ATTENTION_TOL[dtype], msg=key)
+
 def test_padding_rows_of_a_graph_bucket_read_nothing_out_of_bounds():
     "A CUDA-graph bucket pads with rows of context 1 and block table -1: they read block 0, the real rows are right."
     case = PagedCase([5, 20], 16, 4, 2, torch.float32, device=DEVICE, head_dim=64, seed=5)

@@ -1,6 +1,8 @@
 """Every Triton kernel of minivllm compiled for real NVIDIA GPUs on this machine, with no GPU: registers, spills,
 shared memory, how many blocks a multiprocessor can hold, and the 16-bit float instructions that may skip a rounding
 torch makes (a fused multiply-add, or one the assembler may fuse: the layer kernels must have none).
+The attention's variants with the tiles a GPU's sweep chose (minivllm/gpu/triton_tiles.json) are compiled too, for
+the arch that measured them, as "decode (measured)" and the like.
 
     python tools/gpu_compile_report.py [--arch 80 90] [--quick] [--json PATH] [--jobs N]
 
@@ -125,6 +127,27 @@ def recorded_launches(dtype: str, head_size: int, group: int) -> list[tuple[str,
     return [(label, *launch[1:]) for label, launch in zip(labels, launches)]
 
 
+def measured_launches(dtype: str, head_size: int, group: int) -> list[tuple[str, object, tuple, dict, int]]:
+    "The attention's launches with the tiles a GPU's sweep chose for this shape (minivllm/gpu/triton_tiles.json), each labelled '... (measured)' with the arch that measured it."
+    import minivllm.gpu.triton_attention as ta
+    table, out = ta.measured_tiles(), []
+    for arch in ARCHS:
+        shape = f"sm{arch}/head{head_size}/group{group}/{dtype}/"
+        if not any(key.startswith(shape) for key in table):
+            continue
+        real = ta.compute_capability
+        ta.compute_capability = lambda device, arch=arch: arch  # subtle: the meta tensors' launches read this arch's rows
+        try:
+            launches = recorded_launches(dtype, head_size, group)
+        finally:
+            ta.compute_capability = real
+        for label, *rest in launches:
+            phase = "decode" if "decode" in label else "prefill" if "prefill" in label else None
+            if phase is not None and shape + phase in table:
+                out.append((f"{label} (measured)", *rest, arch))
+    return out
+
+
 def recorded_layer_launches(dtype: str, head_size: int, with_argmax: bool) -> list[tuple[str, object, tuple, dict]]:
     "The layer kernels' launches for a model of this dtype and head size, recorded (label, kernel, args, kwargs)."
     import torch
@@ -208,11 +231,14 @@ def compile_shape(dtype: str, head_size: int, group: int, archs: tuple[int, ...]
     launches = recorded_launches(dtype, head_size, group)
     if shared_kernels:
         launches += recorded_layer_launches(dtype, head_size, head_free_kernels)
-    for label, kernel, args, kwargs in launches:
+    variants = [(label, kernel, args, kwargs, archs) for label, kernel, args, kwargs in launches]
+    variants += [(label, kernel, args, kwargs, (arch,)) for label, kernel, args, kwargs, arch
+                 in measured_launches(dtype, head_size, group) if arch in archs]
+    for label, kernel, args, kwargs, variant_archs in variants:
         independent = label in ("store", "merge splits", *LAYER_LABELS, *HEAD_FREE_LABELS)  # the same whatever the group
         if independent and not shared_kernels:
             continue
-        for arch in archs:
+        for arch in variant_archs:
             compiled = compile_for(kernel, arch, *args, **kwargs)
             use = resource_usage(compiled.asm["cubin"])
             shared = compiled.metadata.shared + use["static_shared"]
