@@ -80,7 +80,6 @@ class LLMEngine:
                              f"loads ({e})") from None
         return Grammars(tokenizer, self.config.vocab_size)
 
-
     def close(self) -> None:
         "Stop the worker processes, free the shared memory and leave the process group. Idempotent."
         self._finalizer()
