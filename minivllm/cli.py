@@ -160,10 +160,16 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="schedule the next step while the device computes this one, as vLLM's option (default: on a "
                         "GPU at one rank; asked for at several; nothing to overlap on the CPU)")
 
+    p.add_argument("--structured-outputs-backend", "--structured-outputs-config.backend",
+                   dest="structured_outputs_backend", default=None, metavar="{auto,xgrammar,guidance}",
+                   help="who compiles a request's JSON schema, regex, choice or grammar into its mask, as vLLM's "
+                        "option: guidance (llguidance), xgrammar, or auto: guidance, then xgrammar for what guidance "
+                        "refuses (default: auto)")
+
 def _given_engine_options(a: argparse.Namespace) -> dict:
-    "--device, --block-size and --async-scheduling as the engine's arguments, each only when given (else EngineArgs' default)."
+    "--device, --block-size, --async-scheduling and --structured-outputs-backend as the engine's arguments, each only when given (else EngineArgs' default)."
     given = {"device": None if a.device == "auto" else a.device, "kvcache_block_size": a.block_size,
-             "async_scheduling": a.async_scheduling}
+             "async_scheduling": a.async_scheduling, "structured_outputs_backend": a.structured_outputs_backend}
     return {name: value for name, value in given.items() if value is not None}
 
 # %% ../nbs/15_cli.ipynb #d6701e53

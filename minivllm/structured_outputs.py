@@ -6,7 +6,10 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
+import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -15,9 +18,11 @@ import torch
 from .config import check_known_fields
 
 # %% auto #0
-__all__ = ['CONSTRAINTS', 'STRUCTURED_EXTRA', 'JSON_SAFE_INTEGER', 'NUMBER_DECIMALS', 'StructuredOutputsParams',
-           'require_llguidance', 'strict_schema', 'json_options', 'grammar_text', 'Matcher', 'Grammars',
-           'allowed_tokens', 'mask_logits']
+__all__ = ['CONSTRAINTS', 'STRUCTURED_EXTRA', 'JSON_SAFE_INTEGER', 'NUMBER_DECIMALS', 'XGRAMMAR_EXTRA',
+           'STRUCTURED_OUTPUTS_BACKENDS', 'StructuredOutputsParams', 'require_llguidance', 'strict_schema',
+           'json_options', 'grammar_text', 'require_xgrammar', 'xgrammar_ignores', 'xgrammar_compiled', 'Matcher',
+           'XGrammarMatcher', 'bits_of', 'is_text', 'has_llguidance', 'has_xgrammar', 'Grammars', 'allowed_tokens',
+           'mask_logits']
 
 # %% ../nbs/05b_structured_outputs.ipynb #066d280d
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")  # a request asks for exactly one of them
@@ -87,19 +92,20 @@ def require_llguidance():
 JSON_SAFE_INTEGER = 2 ** 53 - 1  # the largest integer every JSON reader holds exactly (RFC 8259: IEEE doubles)
 NUMBER_DECIMALS = 6  # the most digits after a number's point, unless its schema says (multipleOf)
 
-def strict_schema(schema):
-    "`schema` as an output can finish it: `additionalProperties: false` on every object schema that does not set it, numbers without bounds kept to JSON's safe range and 6 decimals."
+def strict_schema(schema, decimals: int | None = NUMBER_DECIMALS):
+    "`schema` as an output can finish it: `additionalProperties: false` on every object schema that does not set it, numbers without bounds kept to JSON's safe range and `decimals` decimals (None: any)."
     if isinstance(schema, list):
-        return [strict_schema(s) for s in schema]
+        return [strict_schema(s, decimals) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: strict_schema(v) for k, v in schema.items()}
+    out = {k: strict_schema(v, decimals) for k, v in schema.items()}
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     if out.get("type") in ("integer", "number"):  # subtle: else a model may write digits until its budget runs out
         if "minimum" not in out and "exclusiveMinimum" not in out: out["minimum"] = -JSON_SAFE_INTEGER
         if "maximum" not in out and "exclusiveMaximum" not in out: out["maximum"] = JSON_SAFE_INTEGER
-        if out["type"] == "number" and "multipleOf" not in out: out["multipleOf"] = 10.0 ** -NUMBER_DECIMALS
+        if out["type"] == "number" and "multipleOf" not in out and decimals is not None:
+            out["multipleOf"] = 10.0 ** -decimals
     return out
 
 def json_options(p: StructuredOutputsParams) -> dict:
@@ -127,9 +133,51 @@ def grammar_text(p: StructuredOutputsParams) -> str:
         return matcher.grammar_from_lark(gbnf_to_lark(p.grammar))
     return matcher.grammar_from_lark(p.grammar)
 
+XGRAMMAR_EXTRA = "pip install xgrammar"  # what installs the xgrammar backend
+
+def require_xgrammar():
+    "The xgrammar module, or an `ImportError` that says how to install it."
+    try:
+        import xgrammar
+    except ImportError:
+        raise ImportError(f"the xgrammar backend needs xgrammar: {XGRAMMAR_EXTRA}, or choose the guidance backend") from None
+    return xgrammar
+
+def xgrammar_ignores(schema) -> str | None:
+    "What xgrammar's JSON compiler would pass over in `schema` (it warns, then writes output that breaks it); None if nothing."
+    if isinstance(schema, list):
+        return next(filter(None, map(xgrammar_ignores, schema)), None)
+    if not isinstance(schema, dict):
+        return None
+    if schema.get("type") == "number" and "multipleOf" in schema:
+        return "multipleOf on a number (minivllm's guidance backend keeps a number to 6 decimals with it)"
+    if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
+        return "minLength and maxLength beside a pattern"
+    return next(filter(None, map(xgrammar_ignores, schema.values())), None)
+
+def xgrammar_compiled(compiler, p: StructuredOutputsParams):
+    "xgrammar's compiled grammar of the constraint `p` by `compiler` (a `GrammarCompiler`), by `grammar_text`'s rules; `ValueError` for what xgrammar does not take."
+    if p.whitespace_pattern is not None:
+        raise ValueError("the xgrammar backend takes no whitespace_pattern: choose the guidance backend (or auto)")
+    if p.json is not None or p.json_object:
+        options = json_options(p)
+        schema = {"type": "object"} if p.json_object else strict_schema(p.json, decimals=None)
+        if (ignored := xgrammar_ignores(schema)) is not None:
+            raise ValueError(f"the xgrammar backend would ignore the schema's {ignored}: choose the guidance backend (or auto)")
+        # subtle: xgrammar's strict mode off: strict_schema has closed the schema's objects, and json_object's stays open
+        return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=False,
+                                            separators=(options["item_separator"], options["key_separator"]))
+    if p.regex is not None:
+        return compiler.compile_regex(p.regex)
+    if p.choice is not None:  # subtle: JSON's quoting is an EBNF string literal too
+        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in p.choice))
+    return compiler.compile_grammar(p.grammar) if "::=" in p.grammar else compiler.compile_lark(p.grammar)
+
 # %% ../nbs/05b_structured_outputs.ipynb #3d99e548
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")  # vLLM's names; guidance is llguidance
+
 class Matcher:
-    "One request's place in its constraint: which tokens it may take next, and each token it took."
+    "One request's place in its constraint (llguidance's): which tokens it may take next, and each token it took."
     def __init__(self, matcher, vocab_size: int):
         self.matcher, self.vocab_size = matcher, vocab_size
 
@@ -142,62 +190,191 @@ class Matcher:
         "Whether the output is finished: it took EOS, nothing can follow, or a token broke the constraint."
         return self.matcher.is_stopped() or self.matcher.is_error()
 
-class Grammars:
-    "The constraints of one model: each compiled once against its tokenizer (cached by its text), each request's `Matcher` a copy of it."
-    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 256):
-        llguidance = require_llguidance()
-        self.vocab_size, self.cache_size = vocab_size, cache_size
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
-        self._compiled: OrderedDict[str, object] = OrderedDict()  # constraint's text -> a matcher that took nothing
+    @staticmethod
+    def fill(rows: list[tuple[int, Matcher]], bits: torch.Tensor) -> None:
+        "Write each `(row, matcher)`'s allowed tokens into its row of `bits` (int32, contiguous), one call a row."
+        # subtle: llguidance's pool of threads (LLExecutor) fills rows in parallel, but beside the model's threads on
+        # 2 cores it cost a constrained run 0.7x the tokens/s of a free one, against 0.9x one row after the other
+        row_bytes = bits.shape[1] * 4
+        for i, m in rows:
+            m.matcher.unsafe_compute_mask_ptr(bits.data_ptr() + i * row_bytes, row_bytes)
 
-    def compiled(self, p: StructuredOutputsParams):
-        "llguidance's matcher of `p` at its start, made once (the last 256 kept); `ValueError` naming what does not compile."
+class XGrammarMatcher(Matcher):
+    "One request's place in its constraint (xgrammar's): it stops when it takes EOS, which its mask alone allows once nothing can follow."
+    def __init__(self, matcher, vocab_size: int, within: torch.Tensor | None = None):
+        super().__init__(matcher, vocab_size)
+        self.within = within  # int32 bits: the only tokens it may ever allow (None: any its grammar allows)
+        self.broken = False  # it was given a token its constraint does not accept
+
+    def consume(self, token: int) -> None:
+        "Take the token sampled (a token the mask left out stops it)."
+        self.broken = self.broken or not self.matcher.accept_token(token)
+
+    @property
+    def is_stopped(self) -> bool:
+        "Whether the output is finished: it took EOS, or a token broke the constraint."
+        return self.broken or self.matcher.is_terminated()
+
+    @staticmethod
+    def fill(rows: list[tuple[int, Matcher]], bits: torch.Tensor) -> None:
+        "Write each `(row, matcher)`'s allowed tokens into its row of `bits`, one call a row."
+        # subtle: xgrammar's batch call starts threads, which cost more than 64 rows of 4,096 tokens take alone
+        for i, m in rows:
+            if not m.is_stopped:  # (a stopped one's output has ended: nothing it allows is read, and xgrammar refuses)
+                m.matcher.fill_next_token_bitmask(bits, i)
+        for within in {id(m.within): m.within for _, m in rows if m.within is not None}.values():
+            bits[[i for i, m in rows if m.within is within]] &= within  # one operation for the rows it bounds
+
+def bits_of(allowed: torch.Tensor) -> torch.Tensor:
+    "A bool row of `32 k` tokens as `k` int32 words, token `t` bit `t % 32` of word `t // 32` (llguidance's and xgrammar's layout)."
+    weights = torch.ones(32, dtype=torch.int64) << torch.arange(32)
+    words = (allowed.view(-1, 32).long() * weights).sum(-1)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)  # subtle: bit 31 is the sign bit
+
+def is_text(token: bytes) -> bool:
+    "Whether a token's bytes are text on their own: whole UTF-8 characters, none of them a control character."
+    try:
+        token.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return min(token, default=32) >= 32
+
+def has_llguidance() -> bool: return importlib.util.find_spec("llguidance") is not None
+def has_xgrammar() -> bool: return importlib.util.find_spec("xgrammar") is not None
+
+class Grammars:
+    "The constraints of one model: each compiled once against its tokenizer by its backend (cached by its text), each request's `Matcher` made from that."
+    def __init__(self, tokenizer, vocab_size: int, backend: str = "auto", cache_size: int = 256):
+        if backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"the structured outputs backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
+                             f"got {backend!r}")
+        self.hf_tokenizer, self.vocab_size, self.backend, self.cache_size = tokenizer, vocab_size, backend, cache_size
+        self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()  # (backend, constraint's text) -> compiled
+        self._lock = threading.Lock()  # subtle: a server compiles in threads of its own while steps take matchers
+
+    @functools.cached_property
+    def tokenizer(self):
+        "llguidance's view of the tokenizer (every token's bytes), made at its first constraint."
+        return require_llguidance().hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+
+    @functools.cached_property
+    def xgrammar_tokenizer(self):
+        "xgrammar's view of the tokenizer (every token's bytes), made at its first constraint."
+        return require_xgrammar().TokenizerInfo.from_huggingface(self.hf_tokenizer, vocab_size=self.vocab_size)
+
+    @functools.cached_property
+    def xgrammar_compiler(self):
+        "xgrammar's compiler over the tokenizer (its own cache off: `compiled` keeps one)."
+        return require_xgrammar().GrammarCompiler(self.xgrammar_tokenizer, max_threads=1, cache_enabled=False)
+
+    @functools.cached_property
+    def json_tokens(self) -> torch.Tensor:
+        "int32 bits of the tokens JSON as written here may hold under xgrammar: those that are text on their own (`is_text`)."
+        vocab = self.xgrammar_tokenizer.decoded_vocab
+        clean = torch.zeros((self.vocab_size + 31) // 32 * 32, dtype=torch.bool)
+        clean[:len(vocab)] = torch.tensor([is_text(token) for token in vocab])
+        return bits_of(clean)
+
+    def backends_for(self, p: StructuredOutputsParams) -> list[str]:
+        "The backends that may compile `p`, in the order tried: the one asked for; auto: guidance, then xgrammar (each where installed; xgrammar where it keeps `p` whole)."
+        if self.backend != "auto":
+            return [self.backend]
+        xgrammar_keeps = has_xgrammar() and p.whitespace_pattern is None and (
+            p.json is None or xgrammar_ignores(strict_schema(p.json)) is None)
+        return ((["guidance"] if has_llguidance() else []) + (["xgrammar"] if xgrammar_keeps else [])) or ["guidance"]
+
+    def _cached(self, p: StructuredOutputsParams) -> tuple[str, object] | None:
+        "`(backend, compiled constraint)` of `p` if a backend has compiled it already, else None."
+        text = json.dumps([p.kind, getattr(p, p.kind), json_options(p), p.disable_additional_properties], sort_keys=True)
+        with self._lock:
+            for backend in self.backends_for(p):
+                if (backend, text) in self._compiled:
+                    self._compiled.move_to_end((backend, text))
+                    return backend, self._compiled[(backend, text)]
+        return None
+
+    def is_compiled(self, p: StructuredOutputsParams) -> bool:
+        "Whether `p` is compiled already: a request with it starts at once."
+        return self._cached(p) is not None
+
+    def compiled(self, p: StructuredOutputsParams) -> tuple[str, object]:
+        "`(backend, compiled constraint)` of `p`, made once (the last 256 kept); `ValueError` naming what does not compile."
+        if (hit := self._cached(p)) is not None:
+            return hit
+        text = json.dumps([p.kind, getattr(p, p.kind), json_options(p), p.disable_additional_properties], sort_keys=True)
+        error = None
+        for backend in self.backends_for(p):
+            try:
+                compiled = self._compile(backend, p)  # (outside the lock: it may take a while)
+            except ValueError as e:
+                error = error or e  # auto: the next backend may take it (the first one's reason is the one told)
+                continue
+            with self._lock:
+                self._compiled[(backend, text)] = compiled
+                if len(self._compiled) > self.cache_size:
+                    self._compiled.popitem(last=False)
+            return backend, compiled
+        raise error
+
+    def _compile(self, backend: str, p: StructuredOutputsParams):
+        "`p` compiled by `backend`: llguidance's matcher at its start, or xgrammar's compiled grammar."
+        if backend == "xgrammar":
+            if p.json is not None or p.json_object:
+                _ = self.json_tokens  # (made here, where the compiling is, not at a step's first matcher)
+            try:
+                return xgrammar_compiled(self.xgrammar_compiler, p)
+            except RuntimeError as e:  # subtle: xgrammar's messages begin with the time and its C++ file: not the user's
+                message = re.sub(r"^\[[0-9:]+\] \S+: ", "", str(e).strip())
+                raise ValueError(f"the {p.kind} constraint does not compile: {message}") from None
         from llguidance import LLMatcher
-        key = json.dumps([p.kind, getattr(p, p.kind), json_options(p), p.disable_additional_properties], sort_keys=True)
-        if key in self._compiled:
-            self._compiled.move_to_end(key)
-            return self._compiled[key]
         grammar = grammar_text(p)
         error = LLMatcher.validate_grammar(grammar, self.tokenizer)
         matcher = None if error else LLMatcher(self.tokenizer, grammar, log_level=0)
         if error or matcher.is_error():
             raise ValueError(f"the {p.kind} constraint does not compile: {(error or matcher.get_error()).strip()}")
-        self._compiled[key] = matcher
-        if len(self._compiled) > self.cache_size:
-            self._compiled.popitem(last=False)
         return matcher
 
     def matcher(self, p: StructuredOutputsParams) -> Matcher:
-        "A new request's `Matcher` for `p`: a copy of the compiled one (about 4 us, where compiling takes 0.3 ms and up)."
-        return Matcher(self.compiled(p).deep_copy(), self.vocab_size)
+        "A new request's `Matcher` for `p`: a copy of llguidance's compiled one, or xgrammar's matcher of its compiled grammar (a few us each, where compiling takes 0.3 ms and up)."
+        backend, compiled = self.compiled(p)
+        if backend == "xgrammar":
+            # subtle: xgrammar's JSON strings let in raw control characters (RFC 8259 forbids them) and a byte-level
+            # tokenizer's tokens of part of a character (invalid UTF-8 unless the rest follows): JSON takes neither
+            within = self.json_tokens if p.json is not None or p.json_object else None
+            return XGrammarMatcher(require_xgrammar().GrammarMatcher(compiled), self.vocab_size, within)
+        return Matcher(compiled.deep_copy(), self.vocab_size)
 
 # %% ../nbs/05b_structured_outputs.ipynb #58a68a29
-@functools.cache
-def _executor():
-    "llguidance's pool that fills many rows' masks in parallel (one a process)."
-    return require_llguidance().LLExecutor()
-
 def allowed_tokens(matchers: list[Matcher | None]) -> torch.Tensor | None:
     "Each row's allowed next tokens as bits, int32 `[rows, ceil(vocab / 32)]` (all ones where the row has no matcher); None if no row has one."
-    rows = [(m.matcher, i) for i, m in enumerate(matchers) if m is not None]
+    rows = [(i, m) for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return None
-    vocab = next(m.vocab_size for m in matchers if m is not None)
-    bits = torch.full((len(matchers), (vocab + 31) // 32), -1, dtype=torch.int32)
-    _executor().unsafe_compute_mask_ptr(rows, bits.data_ptr(), bits.shape[1] * 4, len(matchers))
+    bits = torch.full((len(matchers), (rows[0][1].vocab_size + 31) // 32), -1, dtype=torch.int32)
+    for kind in {type(m) for _, m in rows}:  # each backend fills its own rows
+        kind.fill([(i, m) for i, m in rows if type(m) is kind], bits)
     return bits
+
+@functools.cache
+def _byte_penalties(device: torch.device) -> torch.Tensor:
+    "float32 `[256, 8]`: for each byte of bits, what its 8 tokens' logits gain: 0 where the bit is set, -inf where not."
+    bit_set = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1
+    return torch.where(bit_set == 1, 0.0, float("-inf")).to(device)
 
 def mask_logits(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     "`logits` `[rows, vocab]` with every token its row's `bits` (on the host) leave out at -inf; rows that allow all untouched."
     rows = (bits != -1).any(dim=1).nonzero().flatten()
     if not len(rows):
         return logits
-    device = logits.device
-    # subtle: each bit tested by an AND with its own mask (1 << 31 is int32's sign bit, which AND reads alike): torch's
-    # CPU shift of a broadcast int32 is about 20 times slower than this
-    bit_masks = torch.ones(32, dtype=torch.int32, device=device) << torch.arange(32, dtype=torch.int32, device=device)
-    allowed = (bits[rows].to(device).unsqueeze(-1) & bit_masks).flatten(1)[:, :logits.shape[-1]]
-    rows = rows.to(device)
+    device, vocab = logits.device, logits.shape[-1]
+    # subtle: int32 words read as their bytes, lowest first (a little-endian host's and GPU's order): byte k holds
+    # tokens 8k to 8k + 7; each byte looks up its 8 penalties, one gather for the batch (4 times faster on the CPU
+    # than testing every bit with its own mask)
+    row_bytes = bits[rows].to(device).view(torch.uint8).flatten().long()
+    penalties = _byte_penalties(device).index_select(0, row_bytes).view(len(rows), -1)[:, :vocab]
+    if len(rows) == len(logits):
+        return logits + penalties
     out = logits.clone()
-    out[rows] = torch.where(allowed != 0, logits[rows], float("-inf"))
+    rows = rows.to(device)
+    out[rows] = logits[rows] + penalties
     return out

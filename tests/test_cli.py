@@ -25,7 +25,7 @@ from minivllm.testing import gone, make_tiny_checkpoint, rank_processes, wait_un
 
 OPTIONS = ("--model", "--tensor-parallel-size", "--max-tokens", "--temperature", "--top-k", "--top-p", "--seed",
            "--ignore-eos", "--dtype", "--max-model-len", "--num-threads", "--device", "--block-size", "--chat", "--quiet",
-           "--nnodes", "--master-addr", "--master-port", "--async-scheduling")
+           "--nnodes", "--master-addr", "--master-port", "--async-scheduling", "--structured-outputs-backend")
 
 
 @pytest.fixture(scope="module")
@@ -207,14 +207,15 @@ def test_serve_passes_every_option_to_the_server(monkeypatch):
     assert main(["serve", model, "-tp", "2", "--host", "0.0.0.0", "--port", "0", "--api-key", "k",
                  "--served-model-name", "m", "--max-model-len", "128", "--dtype", "bfloat16", "--max-num-seqs", "8",
                  "--gpu-memory-utilization", "0.5", "--enforce-eager", "--seed", "7", "--num-threads", "1",
-                 "--max-num-batched-tokens", "512", "--stream-interval", "3"]) == 0
+                 "--max-num-batched-tokens", "512", "--stream-interval", "3",
+                 "--structured-outputs-config.backend", "xgrammar"]) == 0
     folder, tp, host, port, key, name, log_level = seen["args"]
     assert (str(folder), tp, host, port, key, name, log_level) == (model, 2, "0.0.0.0", 0, "k", ["m"], "warning")
     assert seen["kwargs"] == dict(dtype="bfloat16", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=512,
                                   gpu_memory_utilization=0.5,
                                   enforce_eager=True, seed=7, num_threads=1, stream_interval=3, nnodes=1,
                                   master_addr="127.0.0.1",
-                                  master_port=0, chat_template=None)
+                                  master_port=0, chat_template=None, structured_outputs_backend="xgrammar")
     # vLLM's defaults; the model as --model, or given twice alike; --dtype auto is the checkpoint's
     assert main(["serve", "--model", model, "--tensor-parallel-size", "1"]) == 0
     assert seen["args"][:2] == (DEFAULT_MODEL, 1) and seen["args"][5] == model

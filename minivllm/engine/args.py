@@ -15,6 +15,7 @@ import torch
 from ..attention import attention_backend_name
 from ..config import Config, check_known_fields, check_positive_int, is_int
 from ..distributed import NodeLayout, default_device
+from ..structured_outputs import STRUCTURED_OUTPUTS_BACKENDS
 
 # %% auto #0
 __all__ = ['EngineArgs']
@@ -47,6 +48,8 @@ class EngineArgs:
     attention_backend: str | None = None
     # schedule and launch the next step before this one's tokens land (notebook 11b); None: on a GPU at one rank
     async_scheduling: bool | None = None
+    # who compiles structured outputs' constraints (notebook 05b, vLLM's names): auto, xgrammar or guidance
+    structured_outputs_backend: str = "auto"
 
     def __new__(cls, *args, **kwargs):
         "Refuse an unknown keyword (of `LLM(...)` too) by naming the ones that exist."
@@ -85,6 +88,9 @@ class EngineArgs:
                 raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} over nnodes={self.nnodes} needs "
                                  f"{ranks_here} GPUs per machine, but {torch.cuda.device_count()} are visible: lower "
                                  "tensor_parallel_size, or spread it over more machines")
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
+                             f"got {self.structured_outputs_backend!r}")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling must be True, False or None (the default), got {self.async_scheduling!r}")
         if self.async_scheduling is None:  # subtle: a CPU step has run when it is launched: nothing to overlap

@@ -78,7 +78,7 @@ class LLMEngine:
         except (OSError, ValueError) as e:
             raise ValueError(f"structured outputs need the model's tokenizer, and {self.args.model} has none that "
                              f"loads ({e})") from None
-        return Grammars(tokenizer, self.config.vocab_size)
+        return Grammars(tokenizer, self.config.vocab_size, self.args.structured_outputs_backend)
 
     def close(self) -> None:
         "Stop the worker processes, free the shared memory and leave the process group. Idempotent."
