@@ -142,3 +142,66 @@ def test_a_decode_graph_never_draws_for_a_constrained_row():
     assert GraphDraws.of_step(step, 100) is not None
     step.sampling.allowed_tokens = torch.full((2, 4), -1, dtype=torch.int32)
     assert GraphDraws.of_step(step, 100) is None
+
+
+def test_auto_takes_guidance_then_xgrammar_where_it_keeps_the_constraint_whole():
+    pytest.importorskip("xgrammar")
+    from transformers import AutoTokenizer
+
+    from minivllm.engine.args import EngineArgs
+    from minivllm.model_source import DEFAULT_MODEL
+    from minivllm.structured_outputs import Grammars
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    auto, both = Grammars(tokenizer, len(tokenizer)), ["guidance", "xgrammar"]
+    cases = [(dict(json={"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}}), both),
+             (dict(json={"type": "object", "properties": {"x": {"type": "number"}}}), ["guidance"]),  # its decimals
+             (dict(json={"type": "string", "pattern": "a+", "maxLength": 3}), ["guidance"]),  # xgrammar drops the bound
+             (dict(json_object=True, whitespace_pattern=" ?"), ["guidance"]),
+             (dict(grammar='start: "a"'), both), (dict(regex="[0-9]+"), both), (dict(choice=["a", "b"]), both)]
+    for constraint, backends in cases:
+        assert auto.backends_for(StructuredOutputsParams(**constraint)) == backends, constraint
+    assert auto.compiled(StructuredOutputsParams(regex="[0-9]+"))[0] == "guidance"
+    xgrammar = Grammars(tokenizer, len(tokenizer), backend="xgrammar")
+    for constraint, message in [(dict(json_object=True, whitespace_pattern=" "), "takes no whitespace_pattern"),
+                                (dict(json={"type": "number", "multipleOf": 0.5}), "ignore the schema's multipleOf"),
+                                (dict(regex="(a"), "the regex constraint does not compile: Regex parsing error")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            xgrammar.matcher(StructuredOutputsParams(**constraint))
+    assert xgrammar.compiled(StructuredOutputsParams(json={"type": "number"}))[0] == "xgrammar"  # asked for: its numbers
+    with pytest.raises(ValueError, match="structured_outputs_backend must be one of auto, xgrammar, guidance"):
+        EngineArgs(DEFAULT_MODEL, structured_outputs_backend="outlines")
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_each_backend_alone_gives_valid_json_on_a_random_model(chat_ckpt, backend):
+    "A random model writes any token its mask allows: JSON strings with no raw control character (xgrammar's let them in)."
+    pytest.importorskip(backend if backend == "xgrammar" else "llguidance")
+    from minivllm.structured_outputs import strict_schema, xgrammar_ignores
+    schemas = [s for s in SCHEMAS if backend == "guidance" or xgrammar_ignores(strict_schema(s)) is None]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=400, structured_outputs=dict(json=s))
+              for i, s in enumerate(schemas)]
+    with LLM(chat_ckpt, max_model_len=512, structured_outputs_backend=backend) as llm:
+        outs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(schemas))], params, use_tqdm=False)
+    assert len(schemas) > 40
+    assert_valid(outs, schemas)
+
+
+def test_a_constraint_that_compiles_too_long_is_refused_in_time_and_the_next_is_served(chat_ckpt):
+    import asyncio
+    import time
+
+    from minivllm.serve.async_llm import AsyncLLM
+
+    async def main(engine):
+        compile_now = engine.grammars._compile
+        engine.grammars._compile = lambda backend, p: (time.sleep(2), compile_now(backend, p))[1]
+        slow = SamplingParams(max_tokens=8, structured_outputs=dict(regex="[a-z]+"))
+        start = time.perf_counter()
+        with pytest.raises(ParamError, match=r"the regex constraint did not compile within 0.2 s"):
+            await engine.compile_constraint(slow, max_seconds=0.2)
+        assert time.perf_counter() - start < 1.5  # refused in time: the compile goes on in its thread
+        deltas = [o async for o in engine.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))]
+        assert sum(len(d.outputs[0].token_ids) for d in deltas) == 3 and deltas[-1].finished
+
+    with AsyncLLM(chat_ckpt, max_model_len=128) as engine:
+        asyncio.run(main(engine))

@@ -30,7 +30,8 @@ from ..sampling_params import ParamError
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['MAX_STOP_STRINGS', 'MAX_STOP_STRING_CHARS', 'merge_deltas', 'hand_over', 'check_stop_strings', 'AsyncLLM']
+__all__ = ['MAX_STOP_STRINGS', 'MAX_STOP_STRING_CHARS', 'MAX_COMPILE_S', 'merge_deltas', 'hand_over', 'check_stop_strings',
+           'AsyncLLM']
 
 # %% ../../nbs/13b_async_llm.ipynb #4dcc9f2a
 def merge_deltas(old: RequestOutput, new: RequestOutput) -> RequestOutput:
@@ -85,6 +86,7 @@ def hand_over(news: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestO
 
 # %% ../../nbs/13b_async_llm.ipynb #b5864fbd
 MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 64, 1024  # a served request's stop strings, by default (see "Stop strings")
+MAX_COMPILE_S = 10.0  # the longest a served request's new structured-outputs constraint may take to compile
 
 def check_stop_strings(stop: tuple[str, ...], max_strings: int, max_chars: int) -> None:
     "`ParamError` naming `stop` if a request has more stop strings than `max_strings`, or one longer than `max_chars`."
@@ -153,6 +155,7 @@ class AsyncLLM:
         if not self.is_running:
             raise RuntimeError(f"the engine is not running{f' ({self.error})' if self.error else ''}: start a new one")
         params = sampling_params if sampling_params is not None else SamplingParams()
+        await self.compile_constraint(params)  # (a new constraint compiles in a thread: other requests stream on)
         text, ids = self.check(prompt, params, must_fit)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         # the core's deltas come to it (the output thread), and it makes text of them
@@ -186,7 +189,19 @@ class AsyncLLM:
     @functools.cached_property
     def grammars(self) -> Grammars:
         "The structured outputs' constraints over the front end's tokenizer (notebook 05b), made at the first request with one."
-        return Grammars(self.tokenizer, self.config.vocab_size)
+        return Grammars(self.tokenizer, self.config.vocab_size, self.args.structured_outputs_backend)
+
+    async def compile_constraint(self, params: SamplingParams, max_seconds: float = MAX_COMPILE_S) -> None:
+        "Compile `params`' structured-outputs constraint in a thread, this loop free meanwhile; `ParamError` if it does not compile, or not within `max_seconds`."
+        if params.structured_outputs is None or self.grammars.is_compiled(params.structured_outputs):
+            return
+        compiling = asyncio.to_thread(constraint_matchers, lambda: self.grammars, params.structured_outputs, 1)
+        try:
+            await asyncio.wait_for(compiling, max_seconds)
+        except asyncio.TimeoutError:  # subtle: the thread runs on to its end (nothing stops a compile); its result is cached
+            raise ParamError("structured_outputs", f"the {params.structured_outputs.kind} constraint did not compile "
+                             f"within {max_seconds:g} s: simplify it (xgrammar compiles long string length bounds "
+                             "slowly), or serve with --structured-outputs-backend guidance") from None
 
     def check(self, prompt: str | list[int], params: SamplingParams, must_fit: bool = False) -> tuple[str | None, list[int]]:
         "`(text, token_ids)` of a request the engine core would take; `ValueError` saying why it would refuse it."

@@ -5,6 +5,7 @@
 # %% ../../nbs/13a_engine_core.ipynb #8c6d191a
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import shutil
@@ -12,6 +13,7 @@ import signal
 import tempfile
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pathlib import Path
@@ -30,10 +32,10 @@ from ..shm import sweep_stale_segments
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['EngineInput', 'EngineOutput', 'ERRORS', 'SOCKET_FOLDER_PREFIX', 'IDLE_WAIT_S', 'AddRequest', 'Abort', 'Shutdown',
-           'Ping', 'EngineStats', 'StepRecord', 'StepOutputs', 'Rejected', 'Ready', 'Pong', 'Failed', 'rebuild_error',
-           'decode_input', 'EngineCore', 'engine_core_loop', 'remove_socket_folder', 'run_engine_core',
-           'EngineCoreGone', 'EngineCoreProcess']
+__all__ = ['EngineInput', 'EngineOutput', 'ERRORS', 'SOCKET_FOLDER_PREFIX', 'IDLE_WAIT_S', 'COMPILE_WAIT_S', 'AddRequest',
+           'Abort', 'Shutdown', 'Ping', 'EngineStats', 'StepRecord', 'StepOutputs', 'Rejected', 'Ready', 'Pong',
+           'Failed', 'rebuild_error', 'decode_input', 'EngineCore', 'engine_core_loop', 'remove_socket_folder',
+           'run_engine_core', 'EngineCoreGone', 'EngineCoreProcess']
 
 # %% ../../nbs/13a_engine_core.ipynb #65223322
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
@@ -149,18 +151,31 @@ class EngineCore:
         self.owner: dict[int, tuple[str, int]] = {}  # live sequence id -> (its request's id, its index there)
         self.sent: dict[int, int] = {}  # live sequence id -> completion tokens already sent
         self.counts = dict(prompt_tokens=0, generation_tokens=0, peak_running=0, steps=0)
+        # requests whose structured-outputs constraint compiles in a thread, by id: queued once it has
+        self.compiling: dict[str, tuple[AddRequest, Future]] = {}
 
     @property
     def has_work(self) -> bool: return not self.engine.scheduler.is_finished()
 
+    @functools.cached_property
+    def compile_thread(self) -> ThreadPoolExecutor:
+        "The thread that compiles new constraints (notebook 05b), made at the first one: steps go on meanwhile."
+        return ThreadPoolExecutor(1, thread_name_prefix="minivllm-compile")
+
     def add(self, message: AddRequest) -> Rejected | None:
         "Queue a request; a `Rejected` saying why if it is bad (nothing is queued then)."
-        if message.request_id in self.requests:
+        if message.request_id in self.requests or message.request_id in self.compiling:
             return Rejected(message.request_id, "ValueError", f"a request with id {message.request_id!r} is already "
                             "running: give each request its own id")
         if message.params.stop:  # subtle: text is the front end's; the core sees token ids only
             return Rejected(message.request_id, "ValueError", "stop strings are the front end's to apply (the engine "
                             "core has no tokenizer): send stop_token_ids, or abort the request when its text stops")
+        constraint = message.params.structured_outputs
+        # subtle: the engine's Grammars (and the tokenizer it loads) are made by the first compile, in the thread
+        if constraint is not None and not ("grammars" in vars(self.engine) and self.engine.grammars.is_compiled(constraint)):
+            compiling = self.compile_thread.submit(lambda: self.engine.grammars.compiled(constraint))
+            self.compiling[message.request_id] = (message, compiling)  # (queued by `admit_compiled`)
+            return None
         try:
             seqs = self.engine.add(message.prompt_token_ids, message.params, must_fit=message.must_fit)
         except (ValueError, TypeError) as e:
@@ -174,8 +189,21 @@ class EngineCore:
         self.counts["prompt_tokens"] += len(message.prompt_token_ids)
         return None
 
+    def admit_compiled(self) -> list[Rejected]:
+        "Queue the requests whose constraint has compiled since, in the order they came; a `Rejected` for each that cannot run."
+        rejected = []
+        for request_id in [r for r, (_, compiling) in self.compiling.items() if compiling.done()]:
+            message, compiling = self.compiling.pop(request_id)
+            if (error := compiling.exception()) is not None:  # (a front end compiles first: rarely here)
+                rejected.append(Rejected(request_id, "ValueError", str(error)))
+            elif (refused := self.add(message)) is not None:
+                rejected.append(refused)
+        return rejected
+
     def abort(self, message: Abort) -> None:
         "Stop a request, or one of its completions, now (a no-op for one that has ended)."
+        if self.compiling.pop(message.request_id, None) is not None:
+            return  # not queued yet: nothing to free (its constraint still compiles, for the cache)
         seqs = self.requests.get(message.request_id)
         if seqs is None or (message.index is not None and not 0 <= message.index < len(seqs)):
             return
@@ -229,12 +257,13 @@ def stats(self: EngineCore) -> EngineStats:
 
 # %% ../../nbs/13a_engine_core.ipynb #1c2866a3
 IDLE_WAIT_S = 0.5  # an idle core waits this long for a message before it looks at its ranks and its front end
+COMPILE_WAIT_S = 0.002  # ... and this long while a request's constraint compiles, to queue it soon after
 
 def engine_core_loop(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
     "Step while there is work, reading the inbox between steps; return on `Shutdown` or once the front end is gone; `RankFailure` if a rank dies, idle or not."
     write = msgspec.msgpack.Encoder().encode
     while True:
-        timeout_ms, aborted = 0 if core.has_work else int(IDLE_WAIT_S * 1000), False
+        timeout_ms, aborted = 0 if core.has_work else int((COMPILE_WAIT_S if core.compiling else IDLE_WAIT_S) * 1000), False
         while inbox.poll(timeout_ms):
             message = decode_input(inbox.recv())
             if isinstance(message, Shutdown):
@@ -251,6 +280,8 @@ def engine_core_loop(core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, pa
             timeout_ms = 0
         if os.getppid() != parent_pid:  # the front end died without a word: nobody reads what we compute
             return
+        for rejected in core.admit_compiled():
+            outbox.send(write(rejected))
         if core.has_work:
             outbox.send(write(core.step()))  # a step finds a dead rank by itself
             continue

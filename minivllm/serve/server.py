@@ -822,8 +822,12 @@ class OpenAIServer:
                                   f"got {body.n}: lower n, or send the prompt several times", param="n")
         return None
 
-    def check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> JSONResponse | None:
+    async def check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> JSONResponse | None:
         "The error response for tokenized prompts the engine would refuse, or too many tokens for the server, else None."
+        try:
+            await self.engine.compile_constraint(params)  # a new constraint: in a thread, in bounded time
+        except ValueError as e:
+            return error_response(400, str(e), param=getattr(e, "param", None))
         for i, ids in enumerate(prompts):
             try:
                 self.engine.check(ids, params, must_fit=True)
@@ -989,7 +993,7 @@ async def completions(self: OpenAIServer, body: CompletionRequest, http: HTTPReq
         token_ids = await self.encoder.encode(prompts)
     except ValueError as e:
         return error_response(400, str(e), param="prompt")
-    if (error := self.check_prompts(token_ids, params)) is not None:
+    if (error := await self.check_prompts(token_ids, params)) is not None:
         return error
     texts = [p if isinstance(p, str) else None for p in prompts]
     return await self.respond(body, token_ids, params, False, texts, timer, http)
@@ -1025,7 +1029,7 @@ async def chat_completions(self: OpenAIServer, body: ChatCompletionRequest, http
         text, token_ids = await self.encoder.encode_chat(messages)
     except ValueError as e:
         return error_response(400, str(e), param="messages")
-    if (error := self.check_prompts([token_ids], params)) is not None:
+    if (error := await self.check_prompts([token_ids], params)) is not None:
         return error
     return await self.respond(body, [token_ids], params, True, [text], timer, http)
 
