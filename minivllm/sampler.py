@@ -11,13 +11,14 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from . import cpu
 from .layers.embed_head import first_max
 
 # %% auto #0
 __all__ = ['MASK32', 'PHILOX_MULTIPLIERS', 'PHILOX_KEY_STEPS', 'NOISE_CHUNK', 'GREEDY_TEMPERATURE', 'apply_top_k_top_p',
-           'apply_min_p', 'philox4x32', 'int64_seed', 'seeded_noise', 'to_device', 'random_seeds', 'row_keys',
-           'exponential_noise', 'check_sampling_inputs', 'Sampler', 'apply_penalties', 'mask_tokens', 'add_logit_bias',
-           'token_logprobs', 'tokens_and_logprobs', 'logprob_table', 'read_logprob_table']
+           'apply_min_p', 'philox4x32', 'int64_seed', 'seeded_noise', 'seeded_noise_torch', 'to_device', 'random_seeds',
+           'row_keys', 'exponential_noise', 'check_sampling_inputs', 'Sampler', 'apply_penalties', 'mask_tokens',
+           'add_logit_bias', 'token_logprobs', 'tokens_and_logprobs', 'logprob_table', 'read_logprob_table']
 
 # %% ../nbs/05a_sampler.ipynb #344dc417
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
@@ -66,6 +67,13 @@ NOISE_CHUNK = 1 << 17  # counters per chunk on the CPU: Philox's temporaries sta
 
 def seeded_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     "`Exp(1)` noise `[R, vocab]`: token j of row i from Philox4x32-10 with key `seeds[i]` and counter `(j // 4, steps[i])`."
+    kernels = cpu.layer_ops_for(seeds.device, torch.float32)  # (the noise is float32)
+    if kernels is not None:  # the same uniforms by C++ (notebook 04a): Philox's rounds in registers, a sixth of the time
+        return kernels.philox_uniform(seeds, steps, vocab).log_().neg_()
+    return seeded_noise_torch(seeds, steps, vocab)
+
+def seeded_noise_torch(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    "`seeded_noise` by torch's operations, on any device."
     rows, counters, device = len(seeds), -(-vocab // 4), seeds.device
     k0, k1, step = (seeds & MASK32)[:, None], ((seeds >> 32) & MASK32)[:, None], (steps & MASK32)[:, None]
     noise = torch.empty(rows, vocab, device=device)

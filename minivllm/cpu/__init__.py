@@ -3,9 +3,9 @@
 below only; nothing here imports the core's layers."""
 from .gemm import GEMM_ROWS, LOGIT_ROWS, cpu_gemm_setting, gemm_kernels, packed_weight
 from .kernels import (add_rms_norm, argmax_rows, build_cpu_extension, check_cpu_tensors, cpp_listing, cpp_source,
-                      layer_ops_for, rotary_embedding, silu_and_mul, use_cpu_kernels)
+                      layer_ops_for, philox_uniform, rotary_embedding, silu_and_mul, use_cpu_kernels)
 from .threads import ThreadPolicy, prefill_streams
 
 __all__ = ["GEMM_ROWS", "LOGIT_ROWS", "cpu_gemm_setting", "gemm_kernels", "packed_weight", "add_rms_norm", "argmax_rows",
-           "build_cpu_extension", "check_cpu_tensors", "cpp_listing", "cpp_source", "layer_ops_for", "rotary_embedding", "silu_and_mul",
+           "build_cpu_extension", "check_cpu_tensors", "cpp_listing", "cpp_source", "layer_ops_for", "philox_uniform", "rotary_embedding", "silu_and_mul",
            "use_cpu_kernels", "ThreadPolicy", "prefill_streams"]

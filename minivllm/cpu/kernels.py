@@ -31,8 +31,8 @@ __all__ = ['KERNEL_FLAGS', 'KERNEL_TORCH', 'KERNEL_WAIT_S', 'CPU_VECTOR_HELPERS'
            'BF16_PANEL', 'BF16_GEMM_SOURCE', 'cpu_kernels_enabled', 'kernel_cache', 'kernel_build_inputs',
            'kernel_build_folder', 'file_lock', 'remove_stale_builds', 'build_cpu_extension', 'builder_pid',
            'cpp_source', 'cpp_listing', 'layer_kernels', 'use_cpu_kernels', 'layer_ops_for', 'check_cpu_tensors',
-           'add_rms_norm', 'silu_and_mul', 'rotary_embedding', 'argmax_rows', 'bf16_gemm', 'pack_bf16_panels',
-           'avx512bf16_linear']
+           'add_rms_norm', 'silu_and_mul', 'rotary_embedding', 'argmax_rows', 'philox_uniform', 'bf16_gemm',
+           'pack_bf16_panels', 'avx512bf16_linear']
 
 # %% ../../nbs/04a_cpu_kernels.ipynb #b755915d
 KERNEL_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast"]
@@ -349,6 +349,13 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     "Each row's index of its first maximum (`x.max(dim=-1).indices`) of `x` `[rows, n]`, by the C++ kernel."
     check_cpu_tensors("argmax_rows", x=x)
     return _layer_ops().argmax_rows(x)
+
+def philox_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    "Seeded uniforms `[rows, vocab]` (notebook 05a's `seeded_noise` before its log): token j of row i from Philox4x32-10 with key `seeds[i]` and counter `(j // 4, steps[i])`, by the C++ kernel."
+    check_cpu_tensors("philox_uniform", (torch.int64,), seeds=seeds, steps=steps)
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or not 0 < vocab <= 2 ** 34:
+        raise ValueError(f"philox_uniform: vocab must be a whole number from 1 to 2**34, got {vocab!r}")
+    return _layer_ops().philox_uniform(seeds, steps, vocab)
 
 # %% ../../nbs/04a_cpu_kernels.ipynb #055b4d89
 BF16_PANEL = 64  # output columns per panel of a packed weight: four AVX-512 registers of 16 float32 sums

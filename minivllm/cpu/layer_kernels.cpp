@@ -1,4 +1,5 @@
-// The layer kernels of notebook 04a: RMSNorm with a residual add, SiLU-and-multiply, rotary embeddings, argmax.
+// The layer kernels of notebook 04a: RMSNorm with a residual add, SiLU-and-multiply, rotary embeddings, argmax,
+// and the uniforms of seeded draws (Philox4x32-10).
 #include "vector_helpers.h"
 // rows of `width` floats in parallel, a grain of at least ~16K floats per task (small batches stay on one thread)
 template <typename F>
@@ -179,6 +180,51 @@ at::Tensor argmax_rows(const at::Tensor& x_) {
   return out;
 }
 
+// Philox4x32-10 (Random123's, as torch's and Triton's) for 16 counters at once, lane by lane (the compiler's vectors):
+// each counter's four 32-bit words from the key (k0, k1)
+constexpr int PHILOX_LANES = 16;
+static inline void philox4x32(uint32_t c0[], uint32_t c1[], uint32_t c2[], uint32_t c3[], uint32_t k0, uint32_t k1) {
+  for (int round = 0; round < 10; ++round) {
+    for (int i = 0; i < PHILOX_LANES; ++i) {
+      const uint64_t p0 = uint64_t(c0[i]) * 0xD2511F53u, p2 = uint64_t(c2[i]) * 0xCD9E8D57u;
+      const uint32_t n0 = uint32_t(p2 >> 32) ^ c1[i] ^ k0, n2 = uint32_t(p0 >> 32) ^ c3[i] ^ k1;
+      c0[i] = n0, c1[i] = uint32_t(p2), c2[i] = n2, c3[i] = uint32_t(p0);
+    }
+    k0 += 0x9E3779B9u;  // the golden ratio, and sqrt(3) - 1, added to the key after each round
+    k1 += 0xBB67AE85u;
+  }
+}
+
+// uniforms [rows, vocab] in [2^-24, 1 - 2^-24]: token j of row r is word j % 4 of Philox with key seeds[r] (its two
+// halves) and counter (j / 4, steps[r], 0, 0), its top 23 bits plus a half, times 2^-23 (exact in float32)
+at::Tensor philox_uniform(const at::Tensor& seeds_, const at::Tensor& steps_, int64_t vocab) {
+  TORCH_CHECK(seeds_.dim() == 1 && steps_.sizes() == seeds_.sizes(), "philox_uniform takes seeds and steps [rows]");
+  TORCH_CHECK(seeds_.scalar_type() == at::kLong && steps_.scalar_type() == at::kLong, "philox_uniform takes int64 seeds and steps");
+  TORCH_CHECK(vocab > 0 && vocab <= (int64_t(1) << 34), "philox_uniform takes 0 < vocab <= 2^34, got ", vocab);
+  const at::Tensor seeds = seeds_.contiguous(), steps = steps_.contiguous();
+  const int64_t rows = seeds.size(0);
+  auto out = at::empty({rows, vocab}, seeds.options().dtype(at::kFloat));
+  const int64_t* sp = seeds.data_ptr<int64_t>();
+  const int64_t* tp = steps.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  for_rows(rows, vocab, [&](int64_t r) {
+    const uint64_t key = uint64_t(sp[r]);
+    float* row = op + r * vocab;
+    for (int64_t first = 0; 4 * first < vocab; first += PHILOX_LANES) {
+      uint32_t c[4][PHILOX_LANES];
+      for (int i = 0; i < PHILOX_LANES; ++i)
+        c[0][i] = uint32_t(first + i), c[1][i] = uint32_t(uint64_t(tp[r])), c[2][i] = 0, c[3][i] = 0;
+      philox4x32(c[0], c[1], c[2], c[3], uint32_t(key), uint32_t(key >> 32));
+      for (int i = 0; i < PHILOX_LANES; ++i)
+        for (int w = 0; w < 4; ++w) {
+          const int64_t j = 4 * (first + i) + w;
+          if (j < vocab) row[j] = (float(c[w][i] >> 9) + 0.5f) * 0x1p-23f;
+        }
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY(minivllm_cpu_layers, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
@@ -188,4 +234,6 @@ TORCH_LIBRARY(minivllm_cpu_layers, m) {
   m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(silu_and_mul));
   m.def("rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache, int head_dim) -> Tensor[]");
   m.impl("rotary_embedding", c10::DispatchKey::CPU, TORCH_FN(rotary_embedding));
+  m.def("philox_uniform(Tensor seeds, Tensor steps, int vocab) -> Tensor");
+  m.impl("philox_uniform", c10::DispatchKey::CPU, TORCH_FN(philox_uniform));
 }
