@@ -31,8 +31,8 @@ __all__ = ['KERNEL_FLAGS', 'KERNEL_TORCH', 'KERNEL_WAIT_S', 'CPU_VECTOR_HELPERS'
            'BF16_PANEL', 'BF16_GEMM_SOURCE', 'cpu_kernels_enabled', 'kernel_cache', 'kernel_build_inputs',
            'kernel_build_folder', 'file_lock', 'remove_stale_builds', 'build_cpu_extension', 'builder_pid',
            'cpp_source', 'cpp_listing', 'layer_kernels', 'use_cpu_kernels', 'layer_ops_for', 'check_cpu_tensors',
-           'add_rms_norm', 'silu_and_mul', 'rotary_embedding', 'argmax_rows', 'philox_uniform', 'bf16_gemm',
-           'pack_bf16_panels', 'avx512bf16_linear']
+           'add_rms_norm', 'silu_and_mul', 'rotary_embedding', 'argmax_rows', 'philox_uniform', 'apply_bitmask',
+           'bf16_gemm', 'pack_bf16_panels', 'avx512bf16_linear']
 
 # %% ../../nbs/04a_cpu_kernels.ipynb #b755915d
 KERNEL_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast"]
@@ -356,6 +356,15 @@ def philox_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torc
     if isinstance(vocab, bool) or not isinstance(vocab, int) or not 0 < vocab <= 2 ** 34:
         raise ValueError(f"philox_uniform: vocab must be a whole number from 1 to 2**34, got {vocab!r}")
     return _layer_ops().philox_uniform(seeds, steps, vocab)
+
+def apply_bitmask(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    "`logits` `[rows, vocab]` with token j of row i at -inf where bit `j % 32` of `bits[i, j // 32]` (int32) is clear (notebook 05b's constraints), by the C++ kernel."
+    check_cpu_tensors("apply_bitmask", logits=logits)
+    check_cpu_tensors("apply_bitmask", (torch.int32,), bits=bits)
+    if logits.dim() != 2 or bits.dim() != 2 or len(bits) != len(logits) or bits.shape[1] * 32 < logits.shape[1]:
+        raise ValueError(f"apply_bitmask: logits [rows, vocab] take bits [rows, ceil(vocab / 32)], got "
+                         f"{tuple(logits.shape)} and {tuple(bits.shape)}")
+    return _layer_ops().apply_bitmask(logits, bits)
 
 # %% ../../nbs/04a_cpu_kernels.ipynb #055b4d89
 BF16_PANEL = 64  # output columns per panel of a packed weight: four AVX-512 registers of 16 float32 sums

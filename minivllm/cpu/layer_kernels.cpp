@@ -1,5 +1,5 @@
 // The layer kernels of notebook 04a: RMSNorm with a residual add, SiLU-and-multiply, rotary embeddings, argmax,
-// and the uniforms of seeded draws (Philox4x32-10).
+// the uniforms of seeded draws (Philox4x32-10), and logits masked by a constraint's bits (notebook 05b).
 #include "vector_helpers.h"
 // rows of `width` floats in parallel, a grain of at least ~16K floats per task (small batches stay on one thread)
 template <typename F>
@@ -225,6 +225,45 @@ at::Tensor philox_uniform(const at::Tensor& seeds_, const at::Tensor& steps_, in
   return out;
 }
 
+// logits [rows, vocab] with token j of row r at -inf where bit j % 32 of word j / 32 of bits[r] is clear: a word of all
+// ones copies its 32 logits, a word of none fills them, any other goes bit by bit (most of a constraint's words are
+// all or none)
+template <typename T>
+static void mask_row(const T* in, const uint32_t* words, T* out, int64_t vocab) {
+  const T minus_inf = T(-INFINITY);
+  for (int64_t first = 0; first < vocab; first += 32) {
+    const uint32_t word = words[first / 32];
+    const int64_t n = std::min<int64_t>(32, vocab - first);
+    if (word == ~0u) {
+      std::memcpy(out + first, in + first, n * sizeof(T));
+    } else if (word == 0) {
+      std::fill(out + first, out + first + n, minus_inf);
+    } else {
+      for (int64_t b = 0; b < n; ++b) out[first + b] = (word >> b) & 1u ? in[first + b] : minus_inf;
+    }
+  }
+}
+
+at::Tensor apply_bitmask(const at::Tensor& logits_, const at::Tensor& bits_) {
+  TORCH_CHECK(logits_.dim() == 2 && bits_.dim() == 2 && bits_.size(0) == logits_.size(0),
+              "apply_bitmask takes logits [rows, vocab] and bits [rows, words]");
+  TORCH_CHECK(bits_.scalar_type() == at::kInt && bits_.size(1) * 32 >= logits_.size(1),
+              "apply_bitmask takes int32 bits, 32 tokens a word, enough for the vocabulary");
+  TORCH_CHECK(logits_.scalar_type() == at::kFloat || logits_.scalar_type() == at::kBFloat16,
+              "apply_bitmask takes float32 or bfloat16 logits");
+  const at::Tensor logits = logits_.contiguous(), bits = bits_.contiguous();
+  const int64_t rows = logits.size(0), vocab = logits.size(1), words = bits.size(1);
+  auto out = at::empty_like(logits);
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(bits.data_ptr<int32_t>());
+  for_rows(rows, vocab, [&](int64_t r) {
+    if (logits.scalar_type() == at::kBFloat16)
+      mask_row(logits.data_ptr<at::BFloat16>() + r * vocab, wp + r * words, out.data_ptr<at::BFloat16>() + r * vocab, vocab);
+    else
+      mask_row(logits.data_ptr<float>() + r * vocab, wp + r * words, out.data_ptr<float>() + r * vocab, vocab);
+  });
+  return out;
+}
+
 TORCH_LIBRARY(minivllm_cpu_layers, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
@@ -236,4 +275,6 @@ TORCH_LIBRARY(minivllm_cpu_layers, m) {
   m.impl("rotary_embedding", c10::DispatchKey::CPU, TORCH_FN(rotary_embedding));
   m.def("philox_uniform(Tensor seeds, Tensor steps, int vocab) -> Tensor");
   m.impl("philox_uniform", c10::DispatchKey::CPU, TORCH_FN(philox_uniform));
+  m.def("apply_bitmask(Tensor logits, Tensor bits) -> Tensor");
+  m.impl("apply_bitmask", c10::DispatchKey::CPU, TORCH_FN(apply_bitmask));
 }
