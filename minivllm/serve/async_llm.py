@@ -313,9 +313,10 @@ def _deliver(self: AsyncLLM, outputs: StepOutputs) -> None:
 @patch
 def _due(self: AsyncLLM, request: Request) -> bool:
     "Whether a request's news goes out now: its first tokens, its end, or `stream_interval` tokens since the last."
+    if self.stream_interval == 1:  # (the default: every delta, no counting)
+        return True
     sent = sum(request.sent_tokens)
-    return (request.is_finished or sent == 0 or self.stream_interval == 1
-            or sum(map(len, request.token_ids)) - sent >= self.stream_interval)
+    return request.is_finished or sent == 0 or sum(map(len, request.token_ids)) - sent >= self.stream_interval
 
 # %% ../../nbs/13b_async_llm.ipynb #7ee64e43
 def _settle(future: asyncio.Future) -> None:

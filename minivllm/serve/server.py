@@ -6,9 +6,11 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import functools
 import gc
+import itertools
 import json
 import math
 import os
@@ -29,7 +31,8 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -52,9 +55,9 @@ __all__ = ['MAX_REQUEST_BYTES', 'MAX_N', 'MAX_LOGPROBS', 'MAX_COMPLETION_LOGPROB
            'AsciiJSONResponse', 'one_line', 'error_response', 'validation_message', 'is_json_content_type',
            'http_error_message', 'check_limit', 'BodyLimit', 'raw_response', 'SlowClientGuard', 'guarded_protocol',
            'longest_token_chars', 'PromptEncoder', 'usage', 'most_likely_first', 'LogprobFormat', 'sse', 'OpenAIReply',
-           'EngineCollector', 'ServerMetrics', 'RequestTimer', 'generate_all', 'batch_window', 'Overloaded',
-           'ClientGone', 'EngineUnresponsive', 'served_names', 'OpenAIServer', 'until_disconnected', 'chat_messages',
-           'ApiKeyCheck', 'AnswerFailures', 'build_app', 'bind_socket', 'use_chat_template', 'serve']
+           'EngineCollector', 'GapHistogram', 'ServerMetrics', 'RequestTimer', 'generate_all', 'batch_window',
+           'Overloaded', 'ClientGone', 'EngineUnresponsive', 'served_names', 'OpenAIServer', 'until_disconnected',
+           'chat_messages', 'ApiKeyCheck', 'AnswerFailures', 'build_app', 'bind_socket', 'use_chat_template', 'serve']
 
 # %% ../../nbs/13c_server.ipynb #ebfbba7b
 # subtle: strict, as OpenAI's API is: "yes" is not a boolean, true is not a token id, 2.5 is not a count
@@ -545,6 +548,8 @@ class OpenAIReply:
         self.prompt_k = params.prompt_logprobs
         self.head = {"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": int(time.time()), "model": model_name}
+        # subtle: every event of the stream begins with the same head: its JSON is encoded once, not once a token
+        self.event_head = b"data: " + msgspec.json.encode(self.head)[:-1] + b',"choices":'
         self.chars: dict[tuple, int] = {}  # per (prompt, completion): text given so far (completions' text offsets)
         self.tokens: dict[tuple, int] = {}  # per (prompt, completion): tokens given so far
         self.prompt_tokens: dict[int, int] = {}
@@ -562,7 +567,9 @@ class OpenAIReply:
         if c.finish_reason:
             self.finish_reasons.append(c.finish_reason)
         choice = {"index": i * self.n + c.index, "logprobs": lp, "finish_reason": c.finish_reason}
-        return choice if self.chat else choice | {"text": c.text or ""}
+        if not self.chat:
+            choice["text"] = c.text or ""
+        return choice
 
     def _usage(self) -> dict:
         return usage(sum(self.prompt_tokens.values()), sum(self.tokens.values()))
@@ -581,8 +588,12 @@ class OpenAIReply:
             choice = self._choice(i, c)
             if self.chat:
                 choice["delta"] = {"content": c.text} if c.text else {}
-            choices.append(choice if self.chat else choice | prompt)
-        return sse(self.head | {"choices": choices} | (prompt if self.chat else {}))
+            else:
+                choice.update(prompt)
+            choices.append(choice)
+        if self.chat and prompt:  # vLLM's chat event holds its prompt's logprobs after the choices
+            return sse(self.head | {"choices": choices} | prompt)
+        return self.event_head + msgspec.json.encode(choices) + b"}\n\n"  # = sse(self.head | {"choices": choices})
 
     def role_chunk(self) -> bytes:
         "Chat's first event: each choice's role."
@@ -648,6 +659,30 @@ class EngineCollector:
             family.add_metric([self.model_name], value)
             yield family
 
+class GapHistogram:
+    "vLLM's inter-token latency (by its two names) as plain bucket counts that Prometheus reads at a scrape: a delta's tokens in one bisect."
+    names = (("inter_token_latency_seconds", "Between two tokens of a completion."),
+             ("time_per_output_token_seconds", "vllm:inter_token_latency_seconds, by its older name."))
+
+    def __init__(self, bounds: Sequence[float], model_name: str):
+        self.bounds, self.model_name = tuple(bounds), model_name
+        self.counts, self.sum = [0] * (len(self.bounds) + 1), 0.0  # the last count: above every bound (+Inf)
+
+    def observe(self, gap: float, count: int = 1) -> None:
+        "`count` gaps of `gap` seconds each."
+        # subtle: a library histogram takes a lock and walks its buckets per value: twice a token, per stream; this
+        # one needs no lock, as the routes that observe it and the /metrics that reads it share the event loop's thread
+        self.counts[bisect.bisect_left(self.bounds, gap)] += count  # the first bound >= gap: Prometheus' `le`
+        self.sum += gap * count
+
+    def collect(self):
+        cumulative = list(itertools.accumulate(self.counts))
+        buckets = [(floatToGoString(b), n) for b, n in zip(self.bounds, cumulative)] + [("+Inf", cumulative[-1])]
+        for name, doc in self.names:
+            family = HistogramMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
+            family.add_metric([self.model_name], buckets, self.sum)
+            yield family
+
 class ServerMetrics:
     "A server's Prometheus registry: the engine's state and the requests' timings, by minivllm's names and vLLM's."
     def __init__(self, engine: AsyncLLM, model_name: str):
@@ -665,8 +700,8 @@ class ServerMetrics:
         vllm = lambda name, doc: Histogram(f"vllm:{name}", doc, ["model_name"], buckets=seconds,
                                            registry=self.registry).labels(model_name)
         self.vllm_ttft = vllm("time_to_first_token_seconds", "From a request's arrival to its first token.")
-        self.vllm_itl = vllm("inter_token_latency_seconds", "Between two tokens of a completion.")
-        self.vllm_tpot = vllm("time_per_output_token_seconds", "vllm:inter_token_latency_seconds, by its older name.")
+        self.vllm_itl = GapHistogram(seconds, model_name)  # one observation per token: the cheapest kind
+        self.registry.register(self.vllm_itl)
         self.vllm_latency = vllm("e2e_request_latency_seconds", "From a request's arrival to its end.")
         self.vllm_success = Counter("vllm:request_success", "Requests finished, by reason.",
                                     ["model_name", "finished_reason"], registry=self.registry)
@@ -692,9 +727,7 @@ class RequestTimer:
             if (before := self.latest.get(key)) is not None:
                 # subtle: a delta's time is its first token's: the tokens of the one before share the gap up to it
                 gap, count = (delta.time - before[0]) / before[1], before[1]
-                for _ in range(count):
-                    m.vllm_itl.observe(gap)
-                    m.vllm_tpot.observe(gap)
+                m.vllm_itl.observe(gap, count)
             self.latest[key] = delta.time, len(c.token_ids)
 
     def done(self, finish_reasons: list[str]) -> None:
