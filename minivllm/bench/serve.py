@@ -312,11 +312,12 @@ def descendants(pid: int) -> list[int]:
     return found
 
 def cpu_seconds(server_pid: int) -> dict[str, float]:
-    "CPU seconds so far of a server's own process, of the processes under it (its engine), and of this one (the client)."
+    "CPU seconds so far of a server's own process (and of its main thread: the event loop), of the processes under it (its engine), and of this one (the client)."
     from minivllm.cpu.threads import process_ticks
     hz = os.sysconf("SC_CLK_TCK")
-    return {"server": process_ticks([server_pid]) / hz, "engine": process_ticks(descendants(server_pid)) / hz,
-            "client": time.process_time()}
+    # subtle: /proc/PID/task/PID is the main thread alone; the server's other threads read the engine's outputs
+    return {"server": process_ticks([server_pid]) / hz, "server loop": process_ticks([f"{server_pid}/task/{server_pid}"]) / hz,
+            "engine": process_ticks(descendants(server_pid)) / hz, "client": time.process_time()}
 
 def serve_runs(url: str, workload: Workload, a: argparse.Namespace, vocab: int, engine: str,
                server_pid: int | None = None, model: Path | None = None) -> list[dict]:

@@ -1,0 +1,19 @@
+"""tools/serve_cpu.py: where a streamed token's CPU goes, by thread, measured on a real server."""
+import importlib.util
+import json
+from pathlib import Path
+
+from minivllm.testing import make_chat_checkpoint
+
+
+def test_the_serving_cpu_tool_runs_small(tmp_path):
+    "tools/serve_cpu.py on a tiny checkpoint whose engine is paced: each thread's CPU a token, from a real server."
+    spec = importlib.util.spec_from_file_location("serve_cpu", Path(__file__).resolve().parents[1] / "tools" / "serve_cpu.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    model = make_chat_checkpoint(tmp_path / "tiny")
+    assert tool.main(["--model", str(model), "--runs", "1", "--output-len", "8", "--step-ms", "5",
+                      "--json", str(tmp_path / "cpu.json")]) == 0
+    (run,) = json.loads((tmp_path / "cpu.json").read_text())["runs"]
+    assert set(run) == {"event loop", "other threads", "engine", "client", "tokens_per_s"}
+    assert all(v >= 0 for v in run.values()) and run["tokens_per_s"] > 0

@@ -1,0 +1,136 @@
+"""Where a streamed token's CPU goes: `minivllm serve` started here, sent our client's seeded workload `--runs` times
+(64 requests of 128 tokens in and out, all at once); per output token, the microseconds of CPU of the API server's
+event loop (its main thread), of its other threads (the engine's outputs read and made into text), of the engine (the
+processes under the server) and of the client (this process).
+
+    python tools/serve_cpu.py [--model PATH] [--runs 3] [--step-ms MS] [--py-spy FILE] [--json out.json]
+
+Run it with PYTHONPATH=<worktree> to measure a version (the server runs what this process imports), in alternating
+order against another; name the CPU (lscpu). With py-spy installed, `--py-spy FILE` also records the server's
+samples where it holds the GIL, for a split by function. A sample is taken where the server holds the GIL, so one
+taken while the engine's threads keep the server off the cores counts too: `--step-ms 20 --model TINY` (a tiny random
+checkpoint, `minivllm.testing.make_chat_checkpoint`) serves at the pace of a bigger model's steps, at no CPU, for a
+split of what the server itself does.
+"""
+import argparse
+import asyncio
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from minivllm.bench.serve import descendants, run_clients
+from minivllm.bench.workload import ServerProcess, Workload
+from minivllm.config import Config
+from minivllm.cpu.threads import process_ticks
+from minivllm.model_source import model_folder
+
+
+def ticks(pid: int) -> dict[str, int]:
+    "Clock ticks so far of the server's event loop, of its other threads and of its engine."
+    loop = process_ticks([f"{pid}/task/{pid}"])  # /proc/PID/task/PID: the main thread alone
+    return {"event loop": loop, "other threads": process_ticks([pid]) - loop, "engine": process_ticks(descendants(pid))}
+
+
+# what the API server's code does, by the frames of a sample's stack (the first match from the innermost frame out)
+GROUPS = [
+    ("socket write (uvicorn)", lambda f: "httptools_impl.py:544" in f or "httptools_impl.py:554" in f),
+    ("detokenizing", lambda f: "IncrementalDetokenizer" in f or "tokenization_utils" in f),
+    ("metrics (RequestTimer)", lambda f: "RequestTimer" in f or "prometheus" in f or "GapHistogram" in f),
+    ("SSE events (OpenAIReply)", lambda f: "OpenAIReply" in f or "sse (minivllm" in f),
+    ("ASGI send path", lambda f: "send" in f.split(" (")[0].lower() and any(m in f for m in ("starlette", "uvicorn", "server.py"))),
+    ("streaming response (Starlette)", lambda f: "StreamingResponse" in f or "anyio" in f),
+    ("request outputs (Request.add, .delta)", lambda f: "outputs.py" in f),
+    ("handing over (deltas, streams, generators)", lambda f: "async_llm.py" in f or "server.py" in f),
+    ("engine-core messages (zmq, msgspec)", lambda f: "core.py" in f or "zmq" in f),
+    ("routes, HTTP per request", lambda f: any(m in f for m in ("fastapi", "starlette", "uvicorn", "pydantic"))),
+]
+
+
+def split_samples(path: str) -> dict[str, int]:
+    "py-spy's raw samples (`-f raw`) of the server counted by thread and by `GROUPS`."
+    counts: dict[str, int] = {}
+    for line in open(path):
+        stack, n = line.rsplit(" ", 1)
+        frames = stack.split(";")
+        thread = "event loop" if "MainThread" in frames[0] else "outputs thread" if "outputs" in frames[0] else "other"
+        group = next((g for f in reversed(frames) for g, matches in GROUPS if matches(f)), "the loop itself")
+        counts[f"{thread}: {group}"] = counts.get(f"{thread}: {group}", 0) + int(n)
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+PACED_STEP = """import os, time
+import minivllm.serve.core as core
+_step, _pause = core.EngineCore.step, float(os.environ["MINIVLLM_STEP_MS"]) / 1000
+def paced(self):
+    time.sleep(_pause)
+    return _step(self)
+core.EngineCore.step = paced
+"""
+
+
+def paced_env(step_ms: float, folder: str) -> dict[str, str]:
+    "The server's environment for an engine core that sleeps `step_ms` before each step: a sitecustomize in `folder`."
+    with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
+        f.write(PACED_STEP)
+    return {"MINIVLLM_STEP_MS": str(step_ms),
+            "PYTHONPATH": os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="checkpoint to serve (default: the packaged model)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--step-ms", type=float, default=None, help="the engine core sleeps this long before each step")
+    parser.add_argument("--py-spy", default=None, metavar="FILE", help="record py-spy's GIL samples of the server here")
+    parser.add_argument("--json", default=None)
+    a = parser.parse_args(argv)
+    folder = model_folder(a.model)
+    vocab = Config.from_pretrained(folder).vocab_size
+    workload = Workload.make(vocab, 64, (128, 128), (a.output_len, a.output_len), 0)
+    env = paced_env(a.step_ms, tempfile.mkdtemp()) if a.step_ms else None
+    server = ServerProcess(*(["--model", str(folder)] if a.model else []), env=env)
+    hz, rows = os.sysconf("SC_CLK_TCK"), []
+    try:
+        name = "minivllm-default" if a.model is None else str(folder)
+        asyncio.run(run_clients(server.url, name, workload.salted(99, vocab), math.inf, 0))  # warm up
+        py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+        spy = (subprocess.Popen([py_spy or "py-spy", "record", "-p", str(server.proc.pid), "--nonblocking", "--gil", "-t", "-r",
+                                 "1000", "-f", "raw", "-o", a.py_spy], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               if a.py_spy else None)
+        for i in range(a.runs):
+            before, client = ticks(server.proc.pid), time.process_time()
+            timings, seconds = asyncio.run(run_clients(server.url, name, workload.salted(i, vocab), math.inf, 0))
+            after, client = ticks(server.proc.pid), time.process_time() - client
+            if (failed := next((t.error for t in timings if t.error), None)) is not None:
+                raise RuntimeError(f"a request failed: {failed}")
+            tokens = sum(t.output_tokens for t in timings)
+            row = {k: (after[k] - before[k]) / hz / tokens * 1e6 for k in after} | {"client": client / tokens * 1e6}
+            row["tokens_per_s"] = tokens / seconds
+            rows.append(row)
+            print(", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "tokens_per_s")
+                  + f" us a token; {row['tokens_per_s']:.0f} tok/s", flush=True)
+        if spy is not None:
+            spy.send_signal(2)  # Ctrl-C: py-spy writes what it has
+            spy.wait()
+    finally:
+        server.stop()
+    api = [r["event loop"] + r["other threads"] for r in rows]
+    print(f"API server: median {statistics.median(api):.1f} us of CPU a streamed token ({min(api):.1f}-{max(api):.1f})")
+    split = split_samples(a.py_spy) if a.py_spy else None
+    for where, n in (split or {}).items():
+        print(f"{n:7d}  {where}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"runs": rows, "api_server_us_per_token": api, "samples": split}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
