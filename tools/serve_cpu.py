@@ -18,6 +18,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -39,6 +40,7 @@ def ticks(pid: int) -> dict[str, int]:
 
 # what the API server's code does, by the frames of a sample's stack (the first match from the innermost frame out)
 GROUPS = [
+    # (uvicorn 0.54's lines of `RequestResponseCycle.send` that call `transport.write`: another version, other lines)
     ("socket write (uvicorn)", lambda f: "httptools_impl.py:544" in f or "httptools_impl.py:554" in f),
     ("detokenizing", lambda f: "IncrementalDetokenizer" in f or "tokenization_utils" in f),
     ("metrics (RequestTimer)", lambda f: "RequestTimer" in f or "prometheus" in f or "GapHistogram" in f),
@@ -82,45 +84,63 @@ def paced_env(step_ms: float, folder: str) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)}
 
 
+def positive(kind):
+    "An argparse type: a number of `kind` above 0."
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint to serve (default: the packaged model)")
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--step-ms", type=float, default=None, help="the engine core sleeps this long before each step")
+    parser.add_argument("--runs", type=positive(int), default=3)
+    parser.add_argument("--output-len", type=positive(int), default=128)
+    parser.add_argument("--step-ms", type=positive(float), default=None,
+                        help="the engine core sleeps this long before each step")
     parser.add_argument("--py-spy", default=None, metavar="FILE", help="record py-spy's GIL samples of the server here")
     parser.add_argument("--json", default=None)
     a = parser.parse_args(argv)
+    py_spy = shutil.which("py-spy", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    if a.py_spy and py_spy is None:
+        parser.error("--py-spy needs py-spy (pip install py-spy), which is not installed here")
     folder = model_folder(a.model)
     vocab = Config.from_pretrained(folder).vocab_size
     workload = Workload.make(vocab, 64, (128, 128), (a.output_len, a.output_len), 0)
-    env = paced_env(a.step_ms, tempfile.mkdtemp()) if a.step_ms else None
-    server = ServerProcess(*(["--model", str(folder)] if a.model else []), env=env)
-    hz, rows = os.sysconf("SC_CLK_TCK"), []
-    try:
-        name = "minivllm-default" if a.model is None else str(folder)
-        asyncio.run(run_clients(server.url, name, workload.salted(99, vocab), math.inf, 0))  # warm up
-        py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-        spy = (subprocess.Popen([py_spy or "py-spy", "record", "-p", str(server.proc.pid), "--nonblocking", "--gil", "-t", "-r",
-                                 "1000", "-f", "raw", "-o", a.py_spy], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-               if a.py_spy else None)
-        for i in range(a.runs):
-            before, client = ticks(server.proc.pid), time.process_time()
-            timings, seconds = asyncio.run(run_clients(server.url, name, workload.salted(i, vocab), math.inf, 0))
-            after, client = ticks(server.proc.pid), time.process_time() - client
-            if (failed := next((t.error for t in timings if t.error), None)) is not None:
-                raise RuntimeError(f"a request failed: {failed}")
-            tokens = sum(t.output_tokens for t in timings)
-            row = {k: (after[k] - before[k]) / hz / tokens * 1e6 for k in after} | {"client": client / tokens * 1e6}
-            row["tokens_per_s"] = tokens / seconds
-            rows.append(row)
-            print(", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "tokens_per_s")
-                  + f" us a token; {row['tokens_per_s']:.0f} tok/s", flush=True)
-        if spy is not None:
-            spy.send_signal(2)  # Ctrl-C: py-spy writes what it has
-            spy.wait()
-    finally:
-        server.stop()
+    hz, rows, spy = os.sysconf("SC_CLK_TCK"), [], None
+    with tempfile.TemporaryDirectory() as folder_for_pace:
+        env = paced_env(a.step_ms, folder_for_pace) if a.step_ms else None
+        server = ServerProcess(*(["--model", str(folder)] if a.model else []), env=env)
+        try:
+            name = "minivllm-default" if a.model is None else str(folder)
+            asyncio.run(run_clients(server.url, name, workload.salted(99, vocab), math.inf, 0))  # warm up
+            if a.py_spy:
+                spy = subprocess.Popen([py_spy, "record", "-p", str(server.proc.pid), "--nonblocking", "--gil", "-t", "-r",
+                                        "1000", "-f", "raw", "-o", a.py_spy], stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL)
+            for i in range(a.runs):
+                before, client = ticks(server.proc.pid), time.process_time()
+                timings, seconds = asyncio.run(run_clients(server.url, name, workload.salted(i, vocab), math.inf, 0))
+                after, client = ticks(server.proc.pid), time.process_time() - client
+                if (failed := next((t.error for t in timings if t.error), None)) is not None:
+                    raise RuntimeError(f"a request failed: {failed}")
+                tokens = sum(t.output_tokens for t in timings)
+                row = {k: (after[k] - before[k]) / hz / tokens * 1e6 for k in after} | {"client": client / tokens * 1e6}
+                row["tokens_per_s"] = tokens / seconds
+                rows.append(row)
+                print(", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "tokens_per_s")
+                      + f" us a token; {row['tokens_per_s']:.0f} tok/s", flush=True)
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)  # Ctrl-C: py-spy writes what it has
+                spy.wait()
+        finally:
+            if spy is not None and spy.poll() is None:  # a run failed: no samples are wanted
+                spy.kill()
+                spy.wait()
+            server.stop()
     api = [r["event loop"] + r["other threads"] for r in rows]
     print(f"API server: median {statistics.median(api):.1f} us of CPU a streamed token ({min(api):.1f}-{max(api):.1f})")
     split = split_samples(a.py_spy) if a.py_spy else None
