@@ -8,13 +8,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['DECODE_GROUP_SIZE', 'allocate_kv_cache', 'kv_cache_bytes_per_block', 'available_memory_bytes', 'cpu_kv_cache_budget',
-           'cuda_kv_cache_budget', 'blocks_for_budget', 'slot_mapping', 'slot_mappings', 'check_store_args',
-           'store_kvcache_torch', 'AttentionMetadata', 'BlockTables', 'step_metadata', 'prefill_metadata',
-           'decode_metadata', 'length_groups']
+__all__ = ['NUMPY_DTYPES', 'DECODE_GROUP_SIZE', 'allocate_kv_cache', 'kv_cache_bytes_per_block', 'available_memory_bytes',
+           'cpu_kv_cache_budget', 'cuda_kv_cache_budget', 'blocks_for_budget', 'slot_mapping', 'slot_mappings',
+           'check_store_args', 'store_kvcache_torch', 'AttentionMetadata', 'host_tensor', 'BlockTables',
+           'step_metadata', 'prefill_metadata', 'decode_metadata', 'length_groups']
 
 # %% ../nbs/06_kv_cache.ipynb #6a3455bc
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -113,6 +114,14 @@ class AttentionMetadata:
     # decode on the CPU: the rows in groups of similar length, each with its own (shorter) block tables and lengths
     decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
+# %% ../nbs/06_kv_cache.ipynb #fadc0047
+NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
+
+def host_tensor(values: list, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    "`torch.tensor(values, dtype=dtype, device=device)` of a (nested) list of numbers, built through numpy: a quarter of the host's time."
+    tensor = torch.from_numpy(np.array(values, dtype=NUMPY_DTYPES[dtype]))
+    return tensor if torch.device(device).type == "cpu" else tensor.to(device, non_blocking=True)
+
 # %% ../nbs/06_kv_cache.ipynb #edc8e00b
 class BlockTables:
     "The block tables one rank keeps, a row per running sequence, changed only where a step says: int32 `[rows, max_blocks]` on the host (pinned for a GPU) and on `device`."
@@ -157,13 +166,13 @@ class BlockTables:
             self._copied = torch.cuda.Event()
             self._copied.record()
 
-    def select(self, rows: list[int], width: int | None = None) -> torch.Tensor:
-        "The tables of `rows` on the device, `[len(rows), width]` (default: the longest of them), padded with `-1`."
+    def select(self, rows: list[int], width: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        "The tables of `rows` on the device, `[len(rows), width]` (default: the longest of them), padded with `-1`; written into `out` where given."
         width = max((self.lengths[r] for r in rows), default=0) if width is None else width
         if width > self.host.shape[1]:
             raise ValueError(f"a width of {width} blocks is more than the {self.host.shape[1]} these tables hold")
-        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        return self.on_device[:, :width].index_select(0, index)
+        index = host_tensor(rows, torch.int64, self.device)
+        return torch.index_select(self.on_device[:, :width], 0, index, out=out)
 
     def __repr__(self) -> str:
         return f"BlockTables({self.host.shape[0]} rows of up to {self.host.shape[1]} blocks on {self.device})"
@@ -173,13 +182,13 @@ def _cumsum0(lengths: list[int], device) -> torch.Tensor:
     "`[0, l0, l0+l1, ...]` as int32."
     out = [0]
     for n in lengths: out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32, device=device)
+    return host_tensor(out, torch.int32, device)
 
 def step_metadata(is_prefill: bool, slots: list[int], num_new_tokens: list[int], context_lens: list[int],
                   tables: BlockTables, rows: list[int], group_size: int | None = None) -> AttentionMetadata:
     "Metadata of a step as the scheduler describes it (notebook 08c): its tokens' slots; per sequence its new tokens, context length and row of `tables`."
     device = tables.device
-    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+    slot_mapping = host_tensor(slots, torch.int64, device)
     if is_prefill:
         return AttentionMetadata(
             is_prefill=True, slot_mapping=slot_mapping,
@@ -189,12 +198,12 @@ def step_metadata(is_prefill: bool, slots: list[int], num_new_tokens: list[int],
             block_tables=tables.select(rows) if context_lens != num_new_tokens else None)
     groups = None
     if group_size is not None and len(context_lens) > group_size:  # see "Decode in groups of similar length"
-        groups = [(torch.tensor(group, dtype=torch.int64, device=device), tables.select([rows[r] for r in group]),
-                   torch.tensor([context_lens[r] for r in group], dtype=torch.int32, device=device))
+        groups = [(host_tensor(group, torch.int64, device), tables.select([rows[r] for r in group]),
+                   host_tensor([context_lens[r] for r in group], torch.int32, device))
                   for group in length_groups(context_lens, group_size)]
     return AttentionMetadata(
         is_prefill=False, slot_mapping=slot_mapping,
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        context_lens=host_tensor(context_lens, torch.int32, device),
         block_tables=tables.select(rows), decode_groups=groups)
 
 def prefill_metadata(block_tables: list[list[int]], num_cached_tokens: list[int], num_new_tokens: list[int],

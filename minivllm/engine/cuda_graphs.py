@@ -99,7 +99,7 @@ class DecodeBuffers:
             self._copied.record()
         self.context_lens[:bucket].copy_(self.inputs[3, :bucket])  # on the device
         # subtle: whole rows, -1 past each table, so a longer table of an earlier step never leaks into a row
-        self.block_tables[:n] = tables.select(step.rows, width=self.max_blocks)
+        tables.select(step.rows, width=self.max_blocks, out=self.block_tables[:n])
         self.block_tables[n:bucket] = -1
 
     def metadata(self, bucket: int) -> AttentionMetadata:

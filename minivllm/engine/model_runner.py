@@ -28,7 +28,7 @@ from .args import EngineArgs
 from .step import PendingOutput, StepInputs, StepOutput, fill_pending
 from ..attention import cpu_decode_kernel
 from ..kv_cache import (BlockTables, allocate_kv_cache, blocks_for_budget, cpu_kv_cache_budget, cuda_kv_cache_budget,
-                               kv_cache_bytes_per_block)
+                               host_tensor, kv_cache_bytes_per_block)
 from ..sampler import Sampler, logprob_table, tokens_and_logprobs
 from ..models import build_model, load_checkpoint
 
@@ -266,14 +266,14 @@ def _last_hidden(self: ModelRunner, step: StepInputs, kv_cache: torch.Tensor | N
 def _hidden_at_last_tokens(self: ModelRunner, step: StepInputs, kv_cache: torch.Tensor | None) -> torch.Tensor:
     "The forward pass of `step` in this thread: final hidden states `[B, hidden]` at each sequence's last new token (then at its prompt_logprob_rows)."
     dev = self.device
-    input_ids = torch.tensor(step.input_ids, dtype=torch.int64, device=dev)
-    positions = torch.tensor(step.positions, dtype=torch.int64, device=dev)
+    input_ids = host_tensor(step.input_ids, torch.int64, dev)
+    positions = host_tensor(step.positions, torch.int64, dev)
     if step.pending:  # tokens of the step before that have not landed (notebook 08c)
         fill_pending(input_ids, step.pending, self.sampled)
     hidden = self.model(input_ids, positions, kv_cache, step.metadata(dev, self.tables))
     # subtle: logits only at each sequence's last token; the LM head is the costliest layer for small models.
     rows = step.last_token_rows + (step.prompt_logprob_rows or [])
-    return hidden[torch.tensor(rows, dtype=torch.int64, device=dev)]
+    return hidden[host_tensor(rows, torch.int64, dev)]
 
 @patch
 def _num_streams(self: ModelRunner, step: StepInputs) -> int:

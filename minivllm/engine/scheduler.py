@@ -32,7 +32,7 @@ class ScheduledBatch:
     num_new_tokens: list[int]  # per sequence: tokens to compute in this step (1 each in a decode step)
     preempted: list[Sequence] = field(default_factory=list)  # sequences preempted to make room for this batch
     eos_token_ids: frozenset[int] = frozenset()  # the scheduler's EOS ids, which min_tokens holds back
-    samples: list[bool] = field(init=False)  # per sequence: whether this step ends at its last token, so samples one
+    samples: list[bool] | None = None  # per sequence: whether this step ends at its last token, so samples one (None: from the counts)
     # (row of input_ids, sequence index, position of the prompt token whose log-probability the row's logits give)
     prompt_logprob_rows: list[tuple[int, int, int]] = field(init=False)
     step: StepInputs | None = None  # what the ranks compute (notebook 08c): `schedule` writes it, once
@@ -40,10 +40,12 @@ class ScheduledBatch:
     def __post_init__(self):
         if not len(self.seqs) == len(self.num_computed_tokens) == len(self.num_new_tokens):
             raise ValueError("a batch needs one computed-token count and one new-token count per sequence")
-        self.samples = [c + n == len(s.token_ids) + s.num_pending  # its newest token: landed, or on its way
-                        for s, c, n in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)]
+        if self.samples is None:
+            self.samples = [c + n == len(s.token_ids) + s.num_pending  # its newest token: landed, or on its way
+                            for s, c, n in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)]
         self.prompt_logprob_rows, start = [], 0
-        asked = any(s.prompt_logprobs is not None for s in self.seqs)
+        # subtle: a decode step computes generated tokens only, whose logits give no prompt token's log-probability
+        asked = self.is_prefill and any(s.prompt_logprobs is not None for s in self.seqs)
         for i, (s, c, n) in enumerate(zip(self.seqs, self.num_computed_tokens, self.num_new_tokens) if asked else ()):
             if s.wants_prompt_logprobs:  # the logits at position p give the log-probability of the token at p + 1
                 self.prompt_logprob_rows += [(start + p - c, i, p + 1) for p in range(c, min(c + n, s.num_prompt_tokens - 1))]
@@ -69,19 +71,16 @@ class ScheduledBatch:
                 for s, is_short in zip(self.seqs, short)]
 
     def table_updates(self) -> tuple[list[int] | None, list[tuple[int, int, list[int]]] | None]:
-        "Each sequence's row of the ranks' block tables, and what changed in them since they last heard; `(None, None)` for sequences the scheduler has not placed (a batch built by hand)."
+        "Each sequence's row of the ranks' block tables, and what changed in them since they last heard (`schedule` records that they have); `(None, None)` for sequences the scheduler has not placed (a batch built by hand)."
         if any(s.table_row is None for s in self.seqs):
             return None, None
-        updates = []
-        for s in self.seqs:
-            if len(s.block_table) != s.blocks_on_ranks:  # a table only grows while its sequence holds its row
-                updates.append((s.table_row, s.blocks_on_ranks, s.block_table[s.blocks_on_ranks:]))
-                # subtle: every rank applies every step's updates, in order: from now on they hold these blocks
-                s.blocks_on_ranks = len(s.block_table)
+        # a table only grows while its sequence holds its row
+        updates = [(s.table_row, s.blocks_on_ranks, s.block_table[s.blocks_on_ranks:]) for s in self.seqs
+                   if len(s.block_table) != s.blocks_on_ranks]
         return [s.table_row for s in self.seqs], updates
 
     def step_inputs(self, block_size: int) -> StepInputs:
-        "The step message of this batch (notebook 08c): read the sequences once, before `Scheduler.postprocess` changes them."
+        "The step message of this batch (notebook 08c): read the sequences once, before `Scheduler.schedule` records the step and `postprocess` its tokens."
         # subtle: a request short of its min_tokens is greedy over logits whose EOS and stop tokens are masked out,
         # which the LM head's argmax of every rank's shard cannot do
         greedy = all(s.sampling_params.temperature < GREEDY_TEMPERATURE and not s.sampling_params.needs_logits
@@ -142,6 +141,7 @@ class Scheduler:
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))  # rows of the ranks' block tables no sequence holds
         self.num_preemptions = 0
         self.in_flight: deque[ScheduledBatch] = deque()  # scheduled, not yet postprocessed: oldest first
+        self.last_was_prefill = True  # whether the last step scheduled was a prefill step
 
     def is_finished(self) -> bool:
         "Whether every sequence added so far has finished."
@@ -158,7 +158,7 @@ class Scheduler:
                    self.block_manager.block_size, must_fit)
         if shares_prompt_with is not None and shares_prompt_with.prompt_token_ids != prompt:
             raise ValueError("shares_prompt_with must be a sequence of the same prompt")
-        seq = Sequence(next(self.seq_ids), prompt, params)
+        seq = Sequence(next(self.seq_ids), prompt, params, self.max_model_len)
         seq.shares_prompt_with = shares_prompt_with
         self.waiting.append(seq)
         return seq
@@ -201,15 +201,19 @@ def schedule(self: Scheduler) -> ScheduledBatch | None:
     "The next step's batch: a prefill batch if there is prompt to compute and room for it, else a decode batch; None if nothing can run before a step in flight lands."
     if self.is_finished():
         raise RuntimeError("nothing to schedule: every sequence has finished (check is_finished() first)")
-    has_prompts = bool(self.waiting) or any(s.num_uncomputed_tokens > 1 for s in self.running)
+    # subtle: only a prefill step leaves a running sequence with prompt to compute (a chunk), so after a decode step
+    # none has any until the next prefill step: no look over the running queue
+    has_prompts = bool(self.waiting) or (self.last_was_prefill and any(s.num_uncomputed_tokens > 1 for s in self.running))
     batch = (self._schedule_prefill() if has_prompts else None) or self._schedule_decode()
     if batch is None:
         return None
-    batch.step = batch.step_inputs(self.block_manager.block_size)  # the one description of the step (notebook 08c)
+    batch.step, self.last_was_prefill = self.step_message(batch), batch.is_prefill  # the step's one description (08c)
     # subtle: its work counts now, not when it is recorded: the next step may be scheduled before this one lands
     for i, (seq, computed, new, samples) in enumerate(zip(batch.seqs, batch.num_computed_tokens, batch.num_new_tokens,
                                                           batch.samples)):
         seq.num_computed_tokens = computed + new
+        # subtle: every rank applies every step's table updates, in order: from now on they hold these blocks
+        seq.blocks_on_ranks = len(seq.block_table)
         if samples:  # a token on its way
             seq.num_pending, seq.sample_row = seq.num_pending + 1, i
     self.in_flight.append(batch)
@@ -259,12 +263,12 @@ def _schedule_decode(self: Scheduler) -> ScheduledBatch | None:
     scheduled, computed, kept, preempted, block_size = [], [], [], [], self.block_manager.block_size
     while self.running:
         seq = self.running.popleft()
-        if seq.num_pending and self._ends_by_length(seq):
-            kept.append(seq)  # no step computes past its last token
+        num_tokens = seq.num_tokens
+        if seq.num_pending and num_tokens >= seq.token_limit:
+            kept.append(seq)  # its tokens on their way end it by length: no step computes past its last token
             continue
         # the step computes the K/V of the newest token, at position num_tokens - 1: room for num_tokens, which
         # the table has but once in block_size steps
-        num_tokens = seq.num_tokens
         if num_tokens > len(seq.block_table) * block_size and not self._grow(seq, preempted):
             continue  # preempted itself
         kept.append(seq)
@@ -276,14 +280,9 @@ def _schedule_decode(self: Scheduler) -> ScheduledBatch | None:
             return None  # what can run waits for the tokens on their way
         # cannot happen: alone in the cache, any accepted sequence fits (see `add`)
         raise RuntimeError("no running sequence fits in the KV cache: the admission checks in add() were bypassed")
-    return ScheduledBatch(scheduled, is_prefill=False, num_computed_tokens=computed,
-                          num_new_tokens=[1] * len(scheduled), preempted=preempted, eos_token_ids=self.eos_token_ids)
-
-@patch
-def _ends_by_length(self: Scheduler, seq: Sequence) -> bool:
-    "Whether `seq`'s tokens so far, landed or on their way, reach its max_tokens or max_model_len."
-    limit = seq.sampling_params.max_tokens or self.max_model_len
-    return seq.num_completion_tokens >= limit or seq.num_tokens >= self.max_model_len
+    # subtle: each sequence computes its newest token, so each samples one
+    return ScheduledBatch(scheduled, is_prefill=False, num_computed_tokens=computed, num_new_tokens=[1] * len(scheduled),
+                          preempted=preempted, eos_token_ids=self.eos_token_ids, samples=[True] * len(scheduled))
 
 @patch
 def needs_landed_tokens(self: Scheduler) -> bool:
@@ -331,12 +330,16 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
     if not self.in_flight or self.in_flight[0] is not batch:
         raise RuntimeError("this batch is not the oldest one scheduled and not yet recorded: call postprocess exactly "
                            "once for each batch, in the order schedule() gave them")
-    for i, (seq, samples, token) in enumerate(zip(batch.seqs, batch.samples, sampled_token_ids)):
-        if samples and (type(token) is not int or token < 0):  # subtle: the runner's tokens come from `.tolist()`
-            raise ValueError(f"the token sampled for sequence {seq.seq_id} must be a token id (an integer >= 0), "
-                             f"got {token!r}")
-        if samples and seq.logprobs is not None and not (logprobs and isinstance(logprobs[i], dict)):
-            raise ValueError(f"sequence {seq.seq_id} asked for logprobs: give a {{token id: logprob}} for its token")
+    # one look at all the tokens (ints, from the runner's `.tolist()`), row by row where it fails or logprobs count
+    # subtle: a sequence that asks for logprobs never runs in a greedy step, whose `sampling` is None
+    asked = logprobs is not None or (batch.step.sampling is not None and batch.step.sampling.num_logprobs is not None)
+    if asked or not (set(map(type, sampled_token_ids)) <= {int} and min(sampled_token_ids, default=0) >= 0):
+        for i, (seq, samples, token) in enumerate(zip(batch.seqs, batch.samples, sampled_token_ids)):
+            if samples and (type(token) is not int or token < 0):
+                raise ValueError(f"the token sampled for sequence {seq.seq_id} must be a token id (an integer >= 0), "
+                                 f"got {token!r}")
+            if samples and seq.logprobs is not None and not (logprobs and isinstance(logprobs[i], dict)):
+                raise ValueError(f"sequence {seq.seq_id} asked for logprobs: give a {{token id: logprob}} for its token")
     finished = []  # checked everything first: a bad call changes nothing
     self.in_flight.popleft()
     for row, ((_, i, position), lp) in enumerate(zip(batch.prompt_logprob_rows, prompt_logprobs or [])):
@@ -344,25 +347,29 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
         if position == len(seq.prompt_logprobs):  # subtle: a prompt computed again after a preemption keeps its first record
             seq.prompt_logprobs.append(lp)
             seq.prompt_logprob_ranks.append(prompt_logprob_ranks[row] if prompt_logprob_ranks else None)
-    block_size = self.block_manager.block_size
+    block_size, eos = self.block_manager.block_size, self.eos_token_ids
+    ended, running = SequenceStatus.FINISHED, SequenceStatus.RUNNING  # looked up once, not once a sequence
     for i, (seq, computed, new, samples, token) in enumerate(zip(
             batch.seqs, batch.num_computed_tokens, batch.num_new_tokens, batch.samples, sampled_token_ids)):
-        if seq.status is SequenceStatus.FINISHED:
+        if (status := seq.status) is ended:
             continue  # it ended (a stop, an abort) after this batch was scheduled: what the step computed is dropped
         # subtle: a sequence preempted since holds no blocks; a running one's tokens up to computed + new have all
         # landed (the steps before this one were recorded first)
-        if seq.status is SequenceStatus.RUNNING and (computed + new) // block_size > computed // block_size:
+        if status is running and (computed + new) // block_size > computed // block_size:
             self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, computed + new)  # filled a block: publish it
         if not samples:
             continue  # a chunk of a prompt: its logits are not the next token's
         seq.num_pending -= 1
-        seq.token_ids.append(int(token))
+        seq.token_ids.append(token)
         if seq.matcher is not None:  # its constraint takes the token: the next step's mask follows from it
-            seq.matcher.consume(int(token))
+            seq.matcher.consume(token)
         if seq.logprobs is not None:
             seq.logprobs.append(logprobs[i])
             seq.logprob_ranks.append(logprob_ranks[i] if logprob_ranks else None)
-        if (reason := self._finish_reason(seq)) is not None:
+        # subtle: only EOS, a stop token, the length limit or a constraint ends a sequence: `_finish_reason` decides
+        # where one of them could
+        if ((token in eos or token in seq.sampling_params.stop_token_ids or len(seq.token_ids) >= seq.token_limit
+                or seq.matcher is not None) and (reason := self._finish_reason(seq)) is not None):
             self._finish(seq, reason)
             finished.append(seq)
     return finished
@@ -371,17 +378,50 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
 def _finish_reason(self: Scheduler, seq: Sequence) -> str | None:
     "'stop' after EOS or a stop token (kept in `seq.stop_reason`) with at least min_tokens tokens before it, 'length' at max_tokens or max_model_len, 'stop' too once its constraint is complete (structured outputs), else None."
     params, token = seq.sampling_params, seq.token_ids[-1]
-    generated = len(seq.token_ids) - seq.num_prompt_tokens  # landed: not those on their way
     # subtle: the sampler never picks EOS or a stop token while fewer than min_tokens tokens precede it
     # (`masked_token_ids`); the same rule here holds for any other source of tokens, whatever ignore_eos says
-    if generated > params.min_tokens:
+    if ((token in self.eos_token_ids or token in params.stop_token_ids)
+            and len(seq.token_ids) - seq.num_prompt_tokens > params.min_tokens):  # landed: not those on their way
         if token in self.eos_token_ids and not params.ignore_eos:
             return "stop"
         if token in params.stop_token_ids:
             seq.stop_reason = token  # as vLLM: a stop token names itself (EOS, looked at first, does not)
             return "stop"
-    if generated >= (params.max_tokens or self.max_model_len) or len(seq.token_ids) >= self.max_model_len:
+    if len(seq.token_ids) >= seq.token_limit:  # max_tokens, or max_model_len
         return "length"
     if seq.matcher is not None and seq.matcher.is_stopped:  # the constraint is complete: nothing may follow
         return "stop"
     return None
+
+# %% ../../nbs/09_scheduler.ipynb #7a1c36b5
+@patch
+def decode_step_inputs(self: ScheduledBatch, block_size: int) -> StepInputs | None:
+    "A decode batch's step message in one pass over its sequences, equal to `step_inputs`'s; None where a sequence samples with more than a temperature, top-k, top-p and seed (its `plain_draw`)."
+    n = len(self.seqs)
+    input_ids, slots, rows, pending, updates, draws, steps = [0] * n, [0] * n, [0] * n, [], [], [None] * n, [0] * n
+    for i, (s, position) in enumerate(zip(self.seqs, self.num_computed_tokens)):
+        table, draws[i] = s.block_table, s.plain_draw  # (temperature, top_k, top_p, seed): notebook 08b
+        if draws[i] is None or s.table_row is None:
+            return None  # `step_inputs` writes what it needs
+        if s.num_pending:  # its newest token is on its way: the runner takes it from the step before's tokens
+            pending.append((i, s.sample_row))
+        else:
+            input_ids[i] = s.token_ids[position]
+        # subtle: notebook 06's `slot_mappings` rule for one position; the test below holds the two equal
+        slots[i] = table[position // block_size] * block_size + position % block_size
+        rows[i] = s.table_row
+        if len(table) != s.blocks_on_ranks:
+            updates.append((s.table_row, s.blocks_on_ranks, table[s.blocks_on_ranks:]))
+        steps[i] = position + 1 - s.num_prompt_tokens  # its tokens, landed or on their way
+    temperatures, top_ks, top_ps, seeds = map(list, zip(*draws))
+    greedy = max(temperatures) < GREEDY_TEMPERATURE
+    positions = list(self.num_computed_tokens)
+    return StepInputs(False, input_ids, positions, slots, [1] * n, [p + 1 for p in positions], rows, updates,
+                      greedy=greedy, pending=pending or None,
+                      sampling=None if greedy else SamplingInputs(temperatures, top_ks, top_ps, seeds, steps))
+
+@patch
+def step_message(self: Scheduler, batch: ScheduledBatch) -> StepInputs:
+    "The step message of a batch just picked, before `schedule` records it: a decode batch's in one pass where it can."
+    block_size = self.block_manager.block_size
+    return (not batch.is_prefill and batch.decode_step_inputs(block_size)) or batch.step_inputs(block_size)

@@ -5,6 +5,7 @@
 # %% ../../nbs/08b_sequence.ipynb #37989800
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from enum import Enum
 
@@ -23,11 +24,21 @@ class SequenceStatus(Enum):
 
 class Sequence:
     "One request: its tokens (prompt, then generated), sampling parameters, status, and place in the KV cache."
-    def __init__(self, seq_id: int, prompt_token_ids: Iterable[int], sampling_params: SamplingParams | None = None):
+    def __init__(self, seq_id: int, prompt_token_ids: Iterable[int], sampling_params: SamplingParams | None = None,
+                 max_model_len: int | None = None):
         self.seq_id = seq_id
         self.token_ids = check_token_ids(prompt_token_ids)  # the prompt, then the generated tokens
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+        # the most tokens it may hold, where it ends by length: prompt + max_tokens, at most max_model_len
+        max_tokens = self.sampling_params.max_tokens
+        self.token_limit = min(self.num_prompt_tokens + max_tokens if max_tokens else math.inf,
+                               max_model_len if max_model_len is not None else math.inf)
+        p = self.sampling_params
+        # (temperature, top_k, top_p, seed) where these are all it samples with, which a decode step's message
+        # reads in one pass (notebook 09); None where it asks for more (penalties, logprobs, min-p, min_tokens, ...)
+        self.plain_draw = (None if p.needs_logits or p.min_p > 0 or p.min_tokens
+                           else (p.temperature, p.top_k, p.top_p, p.seed))
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.table_row: int | None = None  # while it holds blocks: its row of the block tables the ranks keep

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..kv_cache import DECODE_GROUP_SIZE, AttentionMetadata, BlockTables, slot_mappings, step_metadata
+from ..kv_cache import DECODE_GROUP_SIZE, AttentionMetadata, BlockTables, host_tensor, slot_mappings, step_metadata
 from ..sampler import add_logit_bias, apply_penalties, mask_tokens, read_logprob_table
 from ..structured_outputs import allowed_tokens, mask_logits
 
@@ -160,7 +160,7 @@ def fill_pending(input_ids: torch.Tensor, pending: list[tuple[int, int]] | None,
         return
     if sampled is None:
         raise RuntimeError("this step reads tokens of a step before it, but this runner has sampled none")
-    rows = torch.tensor(pending, dtype=torch.int64).to(input_ids.device, non_blocking=True)
+    rows = host_tensor(pending, torch.int64, input_ids.device)
     input_ids[rows[:, 0]] = sampled[rows[:, 1]].to(input_ids.dtype)
 
 class PendingOutput:
