@@ -1,7 +1,8 @@
 """The host's time in one decode step at a batch of 256, without a model: the scheduler's step (with its step
-message), the decode graph's inputs filled from the block tables a rank keeps (what a GPU step's host builds), and
-postprocess with the sampled tokens. Medians over 300 steps, in milliseconds, in each of `--rounds` rounds; the
-round with the least host time is printed last (a shared machine's other work only adds time).
+message), the decode graph's inputs filled from the block tables a rank keeps and its draw settings (what a GPU
+step's host builds; sampled at temperature 0.6, as nano-vllm's benchmark), and postprocess with the sampled tokens.
+Medians over 300 steps, in milliseconds, in each of `--rounds` rounds; the round with the least host time is printed
+last (a shared machine's other work only adds time).
 
     python tools/host_step.py [--batch 256] [--steps 300] [--rounds 1]
 
@@ -13,12 +14,12 @@ import statistics
 import time
 
 from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.cuda_graphs import DecodeBuffers
+from minivllm.engine.cuda_graphs import DecodeBuffers, GraphDraws
 from minivllm.engine.scheduler import Scheduler
 from minivllm.kv_cache import BlockTables
 from minivllm.sampling_params import SamplingParams
 
-BLOCK_SIZE, MAX_BLOCKS = 16, 128
+BLOCK_SIZE, MAX_BLOCKS, VOCAB = 16, 128, 151_936  # Qwen3's vocabulary
 
 
 def decoding_scheduler(batch: int) -> tuple[Scheduler, BlockTables]:
@@ -51,7 +52,7 @@ def main() -> None:
         b = sched.schedule()
         t1 = time.perf_counter()
         tables.update(b.step.table_updates)
-        buffers.fill(b.step, a.batch, tables)
+        buffers.fill(b.step, a.batch, tables, GraphDraws.of_step(b.step, VOCAB))
         t2 = time.perf_counter()
         sampled = [rng.randrange(1, 1000) for _ in range(b.num_seqs)]  # (the device's tokens: not the host's time)
         t3 = time.perf_counter()

@@ -195,9 +195,10 @@ def sampler_kernels(batch: int = 8, vocab: int = 4096, temperature: float = 0.6,
 UNFUSED = StepPlan(kernels_per_layer=58, logit_passes=8, sampler_launches=25, host_reads=11, host_s_per_seq=1.3e-3 / 256)
 
 # the host's work a decode step at batch 256, measured on the CPU without a model (schedule and step message, the
-# graph's inputs from the kept block tables, postprocess; `python tools/host_step.py`): 0.84 ms (AMD EPYC; it was
-# 1.85 ms with the tables rebuilt each step)
-HOST_S_PER_SEQ = 0.84e-3 / 256
+# graph's inputs and draw settings from the kept block tables, postprocess; `python tools/host_step.py --rounds 3`):
+# 0.41 ms (Intel Xeon; 0.88 with the step message written in a dozen passes, notebook 09; 1.85 ms on an AMD EPYC with
+# the tables rebuilt each step and no draw settings)
+HOST_S_PER_SEQ = 0.41e-3 / 256
 
 def counted_plan(host_reads: int, host_s_per_seq: float = HOST_S_PER_SEQ, host_overlapped: bool = True) -> StepPlan:
     "The plan of the step as the code is now: its kernels a layer, its sampler's one-pass draw (Triton's: on the CPU, counted in the interpreter), and the host scheduled ahead (a GPU at one rank)."

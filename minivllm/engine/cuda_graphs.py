@@ -44,13 +44,19 @@ class GraphDraws(NamedTuple):
         s, n = step.sampling, len(step.input_ids)
         if s is None:
             return cls([0.0] * n, [0.0] * n, [0] * n, [0] * n, [1] * n)
+        # subtle: a batch of 256 rows is looked at in C where it can (distinct values, min and max, counts): this runs
+        # on the host every decode step
         if (s.output_token_ids is not None or s.masked_token_ids is not None or s.logit_biases is not None
-                or s.num_logprobs is not None or s.allowed_tokens is not None or any(0 < k < vocab for k in s.top_ks) or any(p < 1 for p in s.top_ps)):
+                or s.num_logprobs is not None or s.allowed_tokens is not None
+                or any(0 < k < vocab for k in set(s.top_ks)) or min(s.top_ps, default=1.0) < 1):
             return None
         drawn = random_seeds(n, "cpu", generator).tolist() if None in s.seeds else None  # on the host: no device read
-        seeds = [int64_seed(seed) if seed is not None else drawn[i] for i, seed in enumerate(s.seeds)]
-        return cls(list(s.temperatures), list(s.min_ps or [0.0] * n), seeds, list(s.steps),
-                   [int(t < GREEDY_TEMPERATURE) for t in s.temperatures])
+        seeds = drawn if s.seeds.count(None) == n else [
+            int64_seed(seed) if seed is not None else drawn[i] for i, seed in enumerate(s.seeds)]
+        low, high = min(s.temperatures, default=0.0), max(s.temperatures, default=0.0)
+        greedy = ([1] * n if high < GREEDY_TEMPERATURE else [0] * n if low >= GREEDY_TEMPERATURE
+                  else [int(t < GREEDY_TEMPERATURE) for t in s.temperatures])
+        return cls(list(s.temperatures), list(s.min_ps or [0.0] * n), seeds, list(s.steps), greedy)
 
 # %% ../../nbs/12_cuda_graphs.ipynb #d11a3d88
 class DecodeBuffers:
