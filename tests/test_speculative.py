@@ -1,0 +1,104 @@
+"""Speculative decoding on a real model (notebook 05c's rule over the paged KV cache): a verify pass scores a
+sequence's newest token and its guesses in one prefill-type pass over its cached prefix, exactly as decoding them one
+by one would; greedy decoding by such steps gives greedy's tokens whatever the guesses, and guesses it rejects leave
+no trace in the cache."""
+import random
+
+import pytest
+import torch
+
+from minivllm.kv_cache import allocate_kv_cache, decode_metadata, prefill_metadata
+from minivllm.models import load_model
+from minivllm.speculative import accept_proposals, ngram_proposal
+from minivllm.testing import greedy_generate, make_tiny_checkpoint
+
+F32 = dict(rtol=1e-5, atol=1e-5)
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return load_model(make_tiny_checkpoint(tmp_path_factory.mktemp("spec"), "qwen3", seed=5))
+
+
+def paged_sequence(model, prompt: list[int], room: int):
+    "A cache with `prompt` prefilled in a block table of scattered blocks that holds `room` more tokens; (cache, table, logits of its last token)."
+    c = model.config
+    table = list(range(-(-(len(prompt) + room) // BLOCK_SIZE)))[::-1]  # not the identity map: paging is exercised
+    cache = allocate_kv_cache(c.num_hidden_layers, len(table), BLOCK_SIZE, c.num_kv_heads_per_rank, c.head_dim,
+                              c.dtype, "cpu")
+    with torch.no_grad():
+        hidden = model(torch.tensor(prompt), torch.arange(len(prompt)), cache,
+                       prefill_metadata([table], [0], [len(prompt)], BLOCK_SIZE))
+    return cache, table, model.compute_logits(hidden[-1:])
+
+
+def verify_pass(model, cache, table, cached: int, new: list[int]) -> torch.Tensor:
+    "Logits `[len(new), vocab]` of `new` (the newest token, then the guesses) at positions cached, cached + 1, ... in one pass over the cache."
+    with torch.no_grad():
+        hidden = model(torch.tensor(new), torch.arange(cached, cached + len(new)), cache,
+                       prefill_metadata([table], [cached], [len(new)], BLOCK_SIZE))
+        return model.compute_logits(hidden)
+
+
+def test_a_verify_pass_scores_each_guess_as_decoding_them_one_by_one(tiny_model):
+    "The newest token and 4 guesses in one pass over a 13-token cached prefix: each row's logits and the cache equal 5 decode steps'."
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, tiny_model.config.vocab_size, (13,), generator=g).tolist()
+    new = torch.randint(0, tiny_model.config.vocab_size, (5,), generator=g).tolist()
+    cache, table, _ = paged_sequence(tiny_model, prompt, room=8)
+    decoded_cache = cache.clone()
+    one_pass = verify_pass(tiny_model, cache, table, len(prompt), new)
+    one_by_one = []
+    for i, token in enumerate(new):
+        n = len(prompt) + i + 1
+        with torch.no_grad():
+            hidden = tiny_model(torch.tensor([token]), torch.tensor([n - 1]), decoded_cache,
+                                decode_metadata([table], [n], BLOCK_SIZE))
+        one_by_one.append(tiny_model.compute_logits(hidden)[0])
+    torch.testing.assert_close(one_pass, torch.stack(one_by_one), **F32)
+    torch.testing.assert_close(cache, decoded_cache, **F32)
+
+
+def speculative_greedy(model, prompt: list[int], max_new_tokens: int, propose, k: int) -> tuple[list[int], list[int]]:
+    "Greedy decoding of one sequence by speculative steps of up to `k` guesses from `propose(tokens)`; (its tokens, guesses kept each step)."
+    vocab = model.config.vocab_size
+    cache, table, logits = paged_sequence(model, prompt, room=max_new_tokens + k)
+    tokens, kept = list(prompt) + [int(logits.argmax())], []
+    while len(tokens) - len(prompt) < max_new_tokens:
+        left = max_new_tokens - (len(tokens) - len(prompt))
+        guesses = propose(tokens)[:min(k, left - 1)]  # a step emits at most its guesses and one more
+        # subtle: the newest token's keys and values are not in the cache yet; a rejected guess's are, past the tokens
+        # kept, where the next pass writes over them
+        greedy = verify_pass(model, cache, table, len(tokens) - 1, [tokens[-1]] + guesses).argmax(-1)
+        emitted = accept_proposals(torch.nn.functional.one_hot(greedy, vocab).float(), guesses)
+        kept.append(len(emitted) - 1)
+        tokens += emitted
+    return tokens[len(prompt):], kept
+
+
+@pytest.mark.parametrize("proposer", ["the model's own continuation", "a third of it wrong", "n-gram lookup",
+                                      "random tokens"])
+def test_greedy_decoding_by_speculative_steps_gives_greedys_tokens(tiny_model, proposer):
+    "Whatever the guesses, 24 tokens equal plain greedy decoding's; right guesses are all kept, wrong ones cost only speed."
+    vocab, k, rng = tiny_model.config.vocab_size, 4, random.Random(0)
+    pattern = [rng.randrange(vocab) for _ in range(5)]
+    prompt = pattern * 3 + [rng.randrange(vocab) for _ in range(3)]  # text that repeats: n-gram lookup finds it
+    (expected,) = greedy_generate(tiny_model, [prompt], 24, block_size=BLOCK_SIZE)
+    def continuation(tokens):
+        return expected[len(tokens) - len(prompt):][:k]
+    propose = {
+        "the model's own continuation": continuation,
+        "a third of it wrong": lambda tokens: [(t + 1) % vocab if (len(tokens) + i) % 3 == 0 else t
+                                               for i, t in enumerate(continuation(tokens))],
+        "n-gram lookup": lambda tokens: ngram_proposal(tokens, k, min_n=1, max_n=3),
+        "random tokens": lambda tokens: [rng.randrange(vocab) for _ in range(k)],
+    }[proposer]
+    tokens, kept = speculative_greedy(tiny_model, prompt, 24, propose, k)
+    assert tokens == expected
+    if proposer == "the model's own continuation":  # every guess kept: 5 tokens a step, the last step shorter
+        assert kept[:-1] == [k] * (len(kept) - 1) and len(kept) == 5, kept
+    elif proposer == "a third of it wrong":
+        assert 0 < sum(kept) < k * len(kept), kept
+    elif proposer == "random tokens":
+        assert sum(kept) <= 2, kept
