@@ -22,3 +22,10 @@ def test_the_host_step_tool_prints_each_round_and_the_best():
 def test_the_host_step_tool_refuses_a_count_below_one():
     run = subprocess.run([sys.executable, str(TOOL), "--rounds", "0"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--batch, --steps and --rounds must be at least 1" in run.stderr
+
+
+def test_the_host_step_tool_schedules_ahead():
+    "--ahead: each step scheduled before the one before it is recorded, its newest tokens taken from the step before's."
+    run = subprocess.run([sys.executable, str(TOOL), "--batch", "8", "--steps", "5", "--ahead"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert run.stdout.startswith("batch 8, ahead, best: schedule "), run.stdout

@@ -4,7 +4,11 @@ step's host builds; sampled at temperature 0.6, as nano-vllm's benchmark), and p
 Medians over 300 steps, in milliseconds, in each of `--rounds` rounds; the round with the least host time is printed
 last (a shared machine's other work only adds time).
 
-    python tools/host_step.py [--batch 256] [--steps 300] [--rounds 1]
+    python tools/host_step.py [--batch 256] [--steps 300] [--rounds 1] [--ahead]
+
+`--ahead` schedules each step before the one before it is recorded, as the engine does on a GPU (asynchronous
+scheduling, notebook 11b): each sequence's newest token is still on its way, and the graph's inputs take it from the
+step before's sampled tokens.
 
 Run it in two worktrees (PYTHONPATH=<worktree>) to compare versions, alternating the order; name the CPU (lscpu).
 """
@@ -12,6 +16,8 @@ import argparse
 import random
 import statistics
 import time
+
+import torch
 
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.cuda_graphs import DecodeBuffers, GraphDraws
@@ -41,19 +47,26 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--ahead", action="store_true", help="schedule each step before the one before it lands")
     a = parser.parse_args()
     if min(a.batch, a.steps, a.rounds) < 1:
         parser.error("--batch, --steps and --rounds must be at least 1")
     sched, tables = decoding_scheduler(a.batch)
     buffers, rng = DecodeBuffers(a.batch, MAX_BLOCKS), random.Random(0)
+    on_device = torch.randint(1, 1000, (a.batch,))  # the step before's sampled tokens, where the inputs take them
+    flying = []  # steps scheduled, not recorded yet
 
     def step() -> tuple[float, float, float]:
         t0 = time.perf_counter()
-        b = sched.schedule()
+        flying.append(sched.schedule())
         t1 = time.perf_counter()
+        b = flying[-1]
         tables.update(b.step.table_updates)
-        buffers.fill(b.step, a.batch, tables, GraphDraws.of_step(b.step, VOCAB))
+        buffers.fill(b.step, a.batch, tables, GraphDraws.of_step(b.step, VOCAB), on_device)
         t2 = time.perf_counter()
+        if len(flying) <= a.ahead:  # the first step scheduled ahead: nothing to record yet
+            return t1 - t0, t2 - t1, 0.0
+        b = flying.pop(0)
         sampled = [rng.randrange(1, 1000) for _ in range(b.num_seqs)]  # (the device's tokens: not the host's time)
         t3 = time.perf_counter()
         sched.postprocess(b, sampled)
@@ -66,7 +79,7 @@ def main() -> None:
         times = [step() for _ in range(a.steps)]
         rounds.append([statistics.median(t[k] for t in times) * 1e3 for k in range(3)])
     for name, parts in [(f"round {i + 1}", p) for i, p in enumerate(rounds)] * (a.rounds > 1) + [("best", min(rounds, key=sum))]:
-        print(f"batch {a.batch}, {name}: schedule {parts[0]:.3f} ms, graph inputs {parts[1]:.3f} ms, "
+        print(f"batch {a.batch}{', ahead' * a.ahead}, {name}: schedule {parts[0]:.3f} ms, graph inputs {parts[1]:.3f} ms, "
               f"postprocess {parts[2]:.3f} ms, host {sum(parts):.3f} ms")
 
 
