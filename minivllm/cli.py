@@ -165,11 +165,16 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="who compiles a request's JSON schema, regex, choice or grammar into its mask, as vLLM's "
                         "option: guidance (llguidance), xgrammar, or auto: guidance, then xgrammar for what guidance "
                         "refuses (default: auto)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding, as vLLM's option: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                        "\"prompt_lookup_max\": 3, \"prompt_lookup_min\": 1}' checks n-gram lookup's guesses in greedy "
+                        "decode steps (default: off)")
 
 def _given_engine_options(a: argparse.Namespace) -> dict:
-    "--device, --block-size, --async-scheduling and --structured-outputs-backend as the engine's arguments, each only when given (else EngineArgs' default)."
+    "--device, --block-size, --async-scheduling, --structured-outputs-backend and --speculative-config as the engine's arguments, each only when given (else EngineArgs' default)."
     given = {"device": None if a.device == "auto" else a.device, "kvcache_block_size": a.block_size,
-             "async_scheduling": a.async_scheduling, "structured_outputs_backend": a.structured_outputs_backend}
+             "async_scheduling": a.async_scheduling, "structured_outputs_backend": a.structured_outputs_backend,
+             "speculative_config": a.speculative_config}
     return {name: value for name, value in given.items() if value is not None}
 
 # %% ../nbs/15_cli.ipynb #d6701e53

@@ -409,12 +409,14 @@ class FakeRunner:
         for slot, token in zip(step.slot_mapping, input_ids, strict=True):
             self.cache[slot] = token  # like store_kvcache: every new token first...
         sampled = []
-        for row, context_len, samples in zip(step.rows, step.context_lens, batch.samples):
+        for row, context_len, samples, guesses in zip(step.rows, step.context_lens, batch.samples,
+                                                      step.num_guesses or [0] * len(step.rows)):
             if not samples:
                 sampled.append(None); continue
             context = [self.cache[s] for s in slot_mapping(self.rows[row], 0, context_len, bs)]  # ...then attention
             assert None not in context, f"row {row} read a slot that was never written"
-            sampled.append(next_token(context))
+            # a sequence with guesses: the next token after its newest one, then after each guess (notebook 09)
+            sampled += [next_token(context[:end]) for end in range(context_len - guesses, context_len + 1)]
         self.sampled = sampled
         return sampled
 

@@ -25,7 +25,8 @@ from minivllm.testing import gone, make_tiny_checkpoint, rank_processes, wait_un
 
 OPTIONS = ("--model", "--tensor-parallel-size", "--max-tokens", "--temperature", "--top-k", "--top-p", "--seed",
            "--ignore-eos", "--dtype", "--max-model-len", "--num-threads", "--device", "--block-size", "--chat", "--quiet",
-           "--nnodes", "--master-addr", "--master-port", "--async-scheduling", "--structured-outputs-backend")
+           "--nnodes", "--master-addr", "--master-port", "--async-scheduling", "--structured-outputs-backend",
+           "--speculative-config")
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,12 @@ sequence's newest token and its guesses in one prefill-type pass over its cached
 by one would; greedy decoding by such steps gives greedy's tokens whatever the guesses, and guesses it rejects leave
 no trace in the cache."""
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from minivllm import LLM, SamplingParams
 from minivllm.kv_cache import allocate_kv_cache, decode_metadata, prefill_metadata
 from minivllm.models import load_model
 from minivllm.speculative import accept_proposals, ngram_proposal
@@ -102,3 +104,105 @@ def test_greedy_decoding_by_speculative_steps_gives_greedys_tokens(tiny_model, p
         assert 0 < sum(kept) < k * len(kept), kept
     elif proposer == "random tokens":
         assert sum(kept) <= 2, kept
+
+
+# ---------------------------------------------------------------------------------------------- in the engine
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("spec-engine"), "qwen3", seed=5)
+
+
+def repeating_prompts(vocab: int = 256) -> list[list[int]]:
+    "Prompts that repeat themselves (n-gram lookup finds guesses in them) and one that does not."
+    rng = random.Random(0)
+    pattern = [rng.randrange(vocab) for _ in range(5)]
+    return [pattern * 3 + [rng.randrange(vocab) for _ in range(3)], [rng.randrange(vocab) for _ in range(20)],
+            pattern * 4, [rng.randrange(vocab) for _ in range(7)] * 2]
+
+
+def generate(llm, prompts, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_tokens_with_ngram_speculation_equal_greedy_tokens_without(checkpoint, tp):
+    "n-gram lookup's guesses, checked by the model in verify steps: the same greedy tokens at TP 1 and 2."
+    prompts, params = repeating_prompts(), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(checkpoint, tensor_parallel_size=tp, max_model_len=128) as llm:
+        expected = generate(llm, prompts, params)
+    with LLM(checkpoint, tensor_parallel_size=tp, max_model_len=128, speculative_config=NGRAM) as llm:
+        assert generate(llm, prompts, params) == expected
+        scheduler = llm.llm_engine.scheduler
+        assert scheduler.num_guessed_tokens > 0 and 0 <= scheduler.num_kept_guesses <= scheduler.num_guessed_tokens
+
+
+def oracle(llm, prompts, continuations):
+    "Make the engine's guesses the expected continuation itself: every guess right."
+    by_prompt = {tuple(p): c for p, c in zip(prompts, continuations)}
+    def guess(seq, limit):
+        return by_prompt[tuple(seq.prompt_token_ids)][seq.num_completion_tokens:][:min(limit, 4)]
+    llm.llm_engine.scheduler.guess = guess
+
+
+@pytest.mark.parametrize("ends", ["max_tokens", "a stop token", "EOS"])
+def test_a_run_of_right_guesses_is_cut_where_the_request_ends(checkpoint, ends):
+    "Every guess right, 5 tokens a step: a request that ends inside a run (max_tokens, a stop token, EOS) ends there, as without guesses."
+    prompts = repeating_prompts()
+    with LLM(checkpoint, max_model_len=128) as llm:
+        free = generate(llm, prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        stop = free[0][7]  # a token the first request meets seven tokens in, inside a run of guesses
+        params = {"max_tokens": SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+                  "a stop token": SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop]),
+                  "EOS": SamplingParams(temperature=0, max_tokens=30)}[ends]
+        expected = generate(llm, prompts, params)
+    with LLM(checkpoint, max_model_len=128, speculative_config=NGRAM) as llm:
+        oracle(llm, prompts, free)
+        assert generate(llm, prompts, params) == expected
+        scheduler = llm.llm_engine.scheduler
+        assert scheduler.num_kept_guesses == scheduler.num_guessed_tokens > 0
+    if ends != "EOS":
+        assert len(expected[0]) <= 8
+
+
+def test_rejected_guesses_leave_no_trace_in_the_cache(checkpoint):
+    "After generating with mostly wrong guesses, a request whose prompt is that text reuses its cached blocks and gets a fresh engine's tokens."
+    prompts, params = repeating_prompts(), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(checkpoint, max_model_len=160, speculative_config=NGRAM) as llm:
+        first = generate(llm, prompts, params)
+        later = [p + out[:33] for p, out in zip(prompts, first)]  # the prompt and most of what came: cached blocks
+        spec_later = generate(llm, later, params)
+        assert llm.llm_engine.scheduler.block_manager.prefix_cache_hit_tokens > 0
+    with LLM(checkpoint, max_model_len=160) as llm:
+        assert generate(llm, later, params) == spec_later
+
+
+def test_the_engine_core_streams_a_runs_tokens_and_counts_its_guesses(checkpoint):
+    "Behind the server: each step's deltas carry all the tokens a run kept, and the stats vLLM's metrics read count the guesses."
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.serve.core import AddRequest, EngineCore
+    from minivllm.serve.server import EngineCollector
+    prompts, params = repeating_prompts(), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with LLM(checkpoint, max_model_len=128) as llm:
+        expected = generate(llm, prompts, params)
+    with LLMEngine(checkpoint, max_model_len=128, speculative_config=NGRAM) as engine:
+        core = EngineCore(engine)
+        for i, p in enumerate(prompts):
+            assert core.add(AddRequest(f"r{i}", p, params)) is None
+        got, most = {}, 0
+        while core.has_work:
+            outputs = core.step()
+            for d in outputs.deltas:
+                got.setdefault(d.request_id, []).extend(d.token_ids)
+                most = max(most, len(d.token_ids))
+        stats = outputs.stats
+    assert [got[f"r{i}"] for i in range(len(prompts))] == expected
+    assert stats.spec_draft_tokens > 0 and stats.spec_drafts > 0 and 0 <= stats.spec_accepted_tokens <= stats.spec_draft_tokens
+    assert most > 1 if stats.spec_accepted_tokens else most >= 1  # a step with kept guesses sends several tokens
+    metrics = {f.name: f.samples[0].value for f in EngineCollector(SimpleNamespace(stats=stats), "m").collect()
+               if "spec_decode" in f.name}
+    assert metrics["vllm:spec_decode_num_draft_tokens"] == stats.spec_draft_tokens
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] == stats.spec_accepted_tokens

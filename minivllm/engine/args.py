@@ -15,6 +15,7 @@ import torch
 from ..attention import attention_backend_name
 from ..config import Config, check_known_fields, check_positive_int, is_int
 from ..distributed import NodeLayout, default_device
+from ..speculative import SpeculativeConfig
 from ..structured_outputs import STRUCTURED_OUTPUTS_BACKENDS
 
 # %% auto #0
@@ -50,6 +51,9 @@ class EngineArgs:
     async_scheduling: bool | None = None
     # who compiles structured outputs' constraints (notebook 05b, vLLM's names): auto, xgrammar or guidance
     structured_outputs_backend: str = "auto"
+    # speculative decoding (notebooks 05c, 09), vLLM's: {"method": "ngram", "num_speculative_tokens": k, ...} or its
+    # JSON text; kept as JSON text, a plain value that crosses to other machines
+    speculative_config: dict | str | None = None
 
     def __new__(cls, *args, **kwargs):
         "Refuse an unknown keyword (of `LLM(...)` too) by naming the ones that exist."
@@ -93,6 +97,13 @@ class EngineArgs:
                              f"got {self.structured_outputs_backend!r}")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling must be True, False or None (the default), got {self.async_scheduling!r}")
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        self.speculative_config = None if speculative is None else speculative.to_json()
+        if speculative is not None and self.async_scheduling:
+            raise ValueError("speculative decoding needs each step's tokens before it schedules the next (its guesses "
+                             "come from them): leave async_scheduling off with a speculative_config")
+        if speculative is not None:  # (asked for, or not at all)
+            self.async_scheduling = False
         if self.async_scheduling is None:  # subtle: a CPU step has run when it is launched: nothing to overlap
             # (at TP > 1 on GPUs it is asked for, not assumed: the ranks' broadcast of the tokens is tested on the
             # CPU only, not yet measured on several GPUs)

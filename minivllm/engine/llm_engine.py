@@ -46,7 +46,8 @@ class LLMEngine:
         self._finalizer = weakref.finalize(self, self.ranks.close)  # subtle: holds the ranks, not the engine
         self.args = args = self.ranks.start()  # on failure, what had started is stopped
         self.scheduler = Scheduler(BlockManager(self.runner.num_blocks, args.kvcache_block_size), args.max_num_seqs,
-                                   args.max_num_batched_tokens, args.max_model_len, self.config.eos_token_ids)
+                                   args.max_num_batched_tokens, args.max_model_len, self.config.eos_token_ids,
+                                   args.speculative_config)
         self.in_flight: deque[tuple[ScheduledBatch, PendingOutput]] = deque()  # launched, not yet recorded
 
     @property

@@ -272,7 +272,7 @@ def _hidden_at_last_tokens(self: ModelRunner, step: StepInputs, kv_cache: torch.
         fill_pending(input_ids, step.pending, self.sampled)
     hidden = self.model(input_ids, positions, kv_cache, step.metadata(dev, self.tables))
     # subtle: logits only at each sequence's last token; the LM head is the costliest layer for small models.
-    rows = step.last_token_rows + (step.prompt_logprob_rows or [])
+    rows = step.sample_rows + (step.prompt_logprob_rows or [])  # (with guesses: a row each, notebook 09)
     return hidden[host_tensor(rows, torch.int64, dev)]
 
 @patch
@@ -280,7 +280,8 @@ def _num_streams(self: ModelRunner, step: StepInputs) -> int:
     "This step's streams: a CPU prefill's `prefill_streams` on one rank under the load-chosen threads, else 1."
     policy = self.threads
     # subtle: ranks' collectives must meet in one order, which streams of a rank would not keep: TP runs one stream
-    if policy is None or policy.fixed is not None or self.world_size > 1 or not step.is_prefill or step.prompt_logprob_rows:
+    if (policy is None or policy.fixed is not None or self.world_size > 1 or not step.is_prefill or step.prompt_logprob_rows
+            or step.num_guesses):
         return 1
     return cpu.prefill_streams(step.num_new_tokens, step.num_threads or policy.threads, policy.max_threads)
 
@@ -329,12 +330,13 @@ def launch(self: ModelRunner, step: StepInputs) -> PendingOutput | None:
             return self._output(tokens)
     else:
         hidden = self._last_hidden(step, self.kv_cache)
+        # the rows it samples from: one a sequence, and one more a guess (speculative decoding, notebook 09)
+        num_rows = len(step.num_new_tokens) + sum(step.num_guesses or ())
         if step.prompt_logprob_rows:  # subtle: on every rank, before the sampled tokens' LM head (it is collective)
-            num_seqs = len(step.num_new_tokens)
-            hidden, prompt_logprobs = hidden[:num_seqs], self._prompt_logprobs(hidden[num_seqs:], sampling)
+            hidden, prompt_logprobs = hidden[:num_rows], self._prompt_logprobs(hidden[num_rows:], sampling)
         if step.greedy:
             tokens = self.model.greedy_tokens(hidden)
-            if self.shares_tokens: tokens = self._shared(tokens, len(step.num_new_tokens))
+            if self.shares_tokens: tokens = self._shared(tokens, num_rows)
             return self._output(tokens, prompt_logprobs=prompt_logprobs) if self.rank == 0 else None
         logits = self.model.compute_logits(hidden)
         if self.rank != 0:

@@ -16,6 +16,7 @@ from .sequence import Sequence, SequenceStatus
 from .step import SamplingInputs, StepInputs
 from ..sampler import GREEDY_TEMPERATURE
 from ..sampling_params import SamplingParams
+from ..speculative import SpeculativeConfig
 from fastcore.basics import patch
 
 # %% auto #0
@@ -36,6 +37,8 @@ class ScheduledBatch:
     # (row of input_ids, sequence index, position of the prompt token whose log-probability the row's logits give)
     prompt_logprob_rows: list[tuple[int, int, int]] = field(init=False)
     step: StepInputs | None = None  # what the ranks compute (notebook 08c): `schedule` writes it, once
+    # per sequence: the tokens guessed after its newest one, scored in this step (speculative decoding, notebook 05c)
+    guesses: list[list[int]] | None = None
 
     def __post_init__(self):
         if not len(self.seqs) == len(self.num_computed_tokens) == len(self.num_new_tokens):
@@ -88,6 +91,8 @@ class ScheduledBatch:
         sampling = None if greedy and not self.prompt_logprob_rows else SamplingInputs.from_seqs(
             self.seqs, self.masked_token_ids(), self.prompt_logprob_rows)
         new_token_ids = [s.token_ids[c:c + n] for s, c, n in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)]
+        if self.guesses is not None:  # after its newest token, the guesses: not in its tokens (yet)
+            new_token_ids = [ids + g for ids, g in zip(new_token_ids, self.guesses)]
         # a decode whose newest token has not landed: the runner takes it from the step before's sampled tokens
         pending = [(i, s.sample_row) for i, s in enumerate(self.seqs) if s.num_pending]
         for i, _ in pending:
@@ -96,7 +101,8 @@ class ScheduledBatch:
         return StepInputs.build(self.is_prefill, new_token_ids, list(self.num_computed_tokens),
                                 [s.block_table for s in self.seqs], block_size, rows, updates, greedy=greedy,
                                 prompt_logprob_rows=[row for row, _, _ in self.prompt_logprob_rows] or None,
-                                sampling=sampling, pending=pending or None)
+                                sampling=sampling, pending=pending or None,
+                                num_guesses=None if self.guesses is None else [len(g) for g in self.guesses])
 
 
 # %% ../../nbs/09_scheduler.ipynb #2aeb845c
@@ -123,7 +129,8 @@ def check_fits(prompt_len: int, max_tokens: int | None, max_model_len: int, num_
 class Scheduler:
     "Picks each step's batch: prefill (chunked when long) before decode, within the budgets, preempting when the KV cache is full."
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 max_model_len: int = 4096, eos_token_ids: Iterable[int] = ()):
+                 max_model_len: int = 4096, eos_token_ids: Iterable[int] = (),
+                 speculative: SpeculativeConfig | dict | str | None = None):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
             check_positive_int(name, value)
@@ -142,6 +149,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.in_flight: deque[ScheduledBatch] = deque()  # scheduled, not yet postprocessed: oldest first
         self.last_was_prefill = True  # whether the last step scheduled was a prefill step
+        # guesses for greedy decode steps (notebook 05c; vLLM's dict, its JSON text or a SpeculativeConfig)
+        self.speculative = SpeculativeConfig.parse(speculative)
+        # speculative decoding so far: sequences' steps with guesses, their guesses, and the guesses kept
+        self.num_drafts = self.num_guessed_tokens = self.num_kept_guesses = 0
 
     def is_finished(self) -> bool:
         "Whether every sequence added so far has finished."
@@ -207,6 +218,8 @@ def schedule(self: Scheduler) -> ScheduledBatch | None:
     batch = (self._schedule_prefill() if has_prompts else None) or self._schedule_decode()
     if batch is None:
         return None
+    if self.speculative is not None and not batch.is_prefill:
+        batch = self._with_guesses(batch)  # a verify step, where its sequences have guesses
     batch.step, self.last_was_prefill = self.step_message(batch), batch.is_prefill  # the step's one description (08c)
     # subtle: its work counts now, not when it is recorded: the next step may be scheduled before this one lands
     for i, (seq, computed, new, samples) in enumerate(zip(batch.seqs, batch.num_computed_tokens, batch.num_new_tokens,
@@ -286,7 +299,9 @@ def _schedule_decode(self: Scheduler) -> ScheduledBatch | None:
 
 @patch
 def needs_landed_tokens(self: Scheduler) -> bool:
-    "Whether a running sequence's next step reads the values of its tokens on their way (penalties count them, a constraint's mask follows them): schedule only once they land."
+    "Whether a running sequence's next step reads the values of its tokens on their way (penalties count them, a constraint's mask follows them), or how many they are (a step with guesses in flight): schedule only once they land."
+    if any(b.guesses is not None for b in self.in_flight):
+        return True
     return any(s.num_pending and (s.sampling_params.presence_penalty or s.sampling_params.frequency_penalty
                                   or s.sampling_params.repetition_penalty != 1 or s.matcher is not None)
                for s in self.running)
@@ -321,9 +336,10 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
                 prompt_logprobs: list[dict[int, float]] | None = None, logprob_ranks: list[int | None] | None = None,
                 prompt_logprob_ranks: list[int] | None = None) -> list[Sequence]:
     "Record the oldest step not yet recorded, given one sampled token per sequence (ignored where `batch.samples` is False), its logprobs and the prompt logprobs of `batch.prompt_logprob_rows` (with their tokens' ranks, when known); the finished ones."
-    if len(sampled_token_ids) != batch.num_seqs:
-        raise ValueError(f"expected one sampled token per sequence of the batch ({batch.num_seqs}), "
-                         f"got {len(sampled_token_ids)}")
+    rows = batch.num_seqs + sum(map(len, batch.guesses or ()))  # a verify step: one more a guess
+    if len(sampled_token_ids) != rows:
+        raise ValueError(f"expected one sampled token per sequence of the batch ({batch.num_seqs})"
+                         f"{' and per guess' if batch.guesses else ''}, got {len(sampled_token_ids)}")
     if len(prompt_logprobs or []) != len(batch.prompt_logprob_rows):
         raise ValueError(f"expected a {{token id: logprob}} for each of the batch's {len(batch.prompt_logprob_rows)} "
                          f"prompt_logprob_rows, got {len(prompt_logprobs or [])}")
@@ -334,6 +350,9 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
     # subtle: a sequence that asks for logprobs never runs in a greedy step, whose `sampling` is None
     asked = logprobs is not None or (batch.step.sampling is not None and batch.step.sampling.num_logprobs is not None)
     if asked or not (set(map(type, sampled_token_ids)) <= {int} and min(sampled_token_ids, default=0) >= 0):
+        if batch.guesses is not None:  # a verify step is greedy: each of its rows gives a token id
+            bad = next(t for t in sampled_token_ids if type(t) is not int or t < 0)
+            raise ValueError(f"the tokens of a step with guesses must be token ids (integers >= 0), got {bad!r}")
         for i, (seq, samples, token) in enumerate(zip(batch.seqs, batch.samples, sampled_token_ids)):
             if samples and (type(token) is not int or token < 0):
                 raise ValueError(f"the token sampled for sequence {seq.seq_id} must be a token id (an integer >= 0), "
@@ -342,6 +361,8 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
                 raise ValueError(f"sequence {seq.seq_id} asked for logprobs: give a {{token id: logprob}} for its token")
     finished = []  # checked everything first: a bad call changes nothing
     self.in_flight.popleft()
+    if batch.guesses is not None:
+        return self._record_guesses(batch, sampled_token_ids)
     for row, ((_, i, position), lp) in enumerate(zip(batch.prompt_logprob_rows, prompt_logprobs or [])):
         seq = batch.seqs[i]
         if position == len(seq.prompt_logprobs):  # subtle: a prompt computed again after a preemption keeps its first record
@@ -425,3 +446,59 @@ def step_message(self: Scheduler, batch: ScheduledBatch) -> StepInputs:
     "The step message of a batch just picked, before `schedule` records it: a decode batch's in one pass where it can."
     block_size = self.block_manager.block_size
     return (not batch.is_prefill and batch.decode_step_inputs(block_size)) or batch.step_inputs(block_size)
+
+# %% ../../nbs/09_scheduler.ipynb #f2a77cff
+@patch
+def guess(self: Scheduler, seq: Sequence, limit: int) -> list[int]:
+    "At most `limit` guesses of the tokens after `seq`'s (its `SpeculativeConfig`'s n-gram lookup)."
+    return self.speculative.propose(seq.token_ids, limit)
+
+@patch
+def _with_guesses(self: Scheduler, batch: ScheduledBatch) -> ScheduledBatch:
+    "A decode batch whose sequences carry guesses where they have some: a verify batch (a prefill of each one's newest token and guesses); `batch` itself where none has, or a sequence is not plain greedy or has a token on its way."
+    if any(s.num_pending or s.plain_draw is None or s.plain_draw[0] >= GREEDY_TEMPERATURE for s in batch.seqs):
+        return batch
+    budget, guesses = self.max_num_batched_tokens - batch.num_batched_tokens, []
+    for seq in batch.seqs:
+        # a step emits its kept guesses and one more token, within the sequence's length limit
+        g = self.guess(seq, min(budget, seq.token_limit - seq.num_tokens - 1))
+        if g and self.block_manager.can_grow(seq.block_table, seq.num_tokens + len(g)):  # free blocks only
+            self.block_manager.grow(seq.block_table, seq.num_tokens + len(g))
+        else:
+            g = []
+        budget -= len(g)
+        guesses.append(g)
+    if not any(guesses):
+        return batch
+    return ScheduledBatch(batch.seqs, True, batch.num_computed_tokens, [1 + len(g) for g in guesses], batch.preempted,
+                          batch.eos_token_ids, samples=[True] * batch.num_seqs, guesses=guesses)
+
+@patch
+def _record_guesses(self: Scheduler, batch: ScheduledBatch, greedy_tokens: list[int]) -> list[Sequence]:
+    "Record a verify step: each sequence keeps the guesses its greedy tokens agree with, then the greedy token after them, up to where it ends; the finished ones."
+    finished, start, block_size = [], 0, self.block_manager.block_size
+    for seq, computed, guesses in zip(batch.seqs, batch.num_computed_tokens, batch.guesses):
+        greedy = greedy_tokens[start:start + len(guesses) + 1]  # after its newest token, then after each guess
+        start += len(guesses) + 1
+        if seq.status is SequenceStatus.FINISHED:
+            continue  # it ended (an abort) after this batch was scheduled
+        kept = 0
+        while kept < len(guesses) and guesses[kept] == greedy[kept]:
+            kept += 1
+        self.num_drafts += bool(guesses)
+        self.num_guessed_tokens += len(guesses)
+        self.num_kept_guesses += kept
+        seq.num_pending -= 1
+        for token in guesses[:kept] + [greedy[kept]]:
+            seq.token_ids.append(token)
+            if (reason := self._finish_reason(seq)) is not None:  # a stop or its length inside the run: cut there
+                self._finish(seq, reason)
+                finished.append(seq)
+                break
+        else:
+            # subtle: `schedule` counted every guess as computed; only the kept ones' keys and values are right, and
+            # the rejected ones' (past these) are written over by the next step
+            seq.num_computed_tokens = computed + 1 + kept
+            if seq.num_computed_tokens // block_size > computed // block_size:
+                self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+    return finished

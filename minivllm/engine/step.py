@@ -106,6 +106,8 @@ class StepInputs:
     # (row of input_ids, row of the step before's sampled tokens): decode tokens that have not landed on the host, which
     # the runner takes from the step before's tokens on the device (asynchronous scheduling, notebook 11b)
     pending: list[tuple[int, int]] | None = None
+    # per sequence: how many of its new tokens are guesses of speculative decoding (notebook 05c), each scored too
+    num_guesses: list[int] | None = None
 
     @classmethod
     def build(cls, is_prefill: bool, new_token_ids: list[list[int]], num_computed_tokens: list[int],
@@ -130,6 +132,17 @@ class StepInputs:
             rows.append(end - 1)
         return rows
 
+    @property
+    def sample_rows(self) -> list[int]:
+        "The rows of `input_ids` whose logits the step samples from, in order: each sequence's last new token's, and where it brings guesses, the rows from its newest landed token on."
+        if self.num_guesses is None:
+            return self.last_token_rows
+        rows, end = [], 0
+        for n, guesses in zip(self.num_new_tokens, self.num_guesses):
+            end += n
+            rows += range(end - 1 - guesses, end)
+        return rows
+
     def own_tables(self, device: torch.device | str = "cpu", max_blocks: int | None = None) -> BlockTables:
         "Block tables holding this step's updates only: for a step of its own (a test, a warm-up), whose updates are whole tables."
         longest = max((first + len(blocks) for _, first, blocks in self.table_updates), default=0)
@@ -146,7 +159,7 @@ class StepInputs:
                              tables, self.rows, group_size)
 
 class StepOutput(NamedTuple):
-    "What rank 0 returns from a step: one sampled token per sequence, the logprobs of those that asked, the prompt logprobs of the step's prompt_logprob_rows, and the ranks of those tokens among the vocabulary."
+    "What rank 0 returns from a step: one sampled token per sequence (per sample row, where it brings guesses), the logprobs of those that asked, the prompt logprobs of the step's prompt_logprob_rows, and the ranks of those tokens among the vocabulary."
     token_ids: list[int]
     logprobs: list[dict[int, float] | None] | None = None
     prompt_logprobs: list[dict[int, float]] | None = None

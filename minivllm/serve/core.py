@@ -73,6 +73,10 @@ class EngineStats:
     preemptions: int = 0
     steps: int = 0
     peak_running: int = 0  # the most sequences one step has computed together
+    # speculative decoding (notebook 09): sequences' steps with guesses, their guesses, and the guesses kept
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 class StepRecord(msgspec.Struct, array_like=True):
     "When one step ran (`time.perf_counter()`, the same clock in every process of the machine), its kind and requests."
@@ -253,7 +257,7 @@ def stats(self: EngineCore) -> EngineStats:
     c, sched, blocks = self.counts, self.engine.scheduler, self.engine.scheduler.block_manager
     return EngineStats(len(sched.running), len(sched.waiting), blocks.num_blocks - blocks.num_free_blocks,
                        blocks.num_free_blocks, c["prompt_tokens"], c["generation_tokens"], sched.num_preemptions,
-                       c["steps"], c["peak_running"])
+                       c["steps"], c["peak_running"], sched.num_drafts, sched.num_guessed_tokens, sched.num_kept_guesses)
 
 # %% ../../nbs/13a_engine_core.ipynb #1c2866a3
 IDLE_WAIT_S = 0.5  # an idle core waits this long for a message before it looks at its ranks and its front end

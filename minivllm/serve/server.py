@@ -55,9 +55,10 @@ __all__ = ['MAX_REQUEST_BYTES', 'MAX_N', 'MAX_LOGPROBS', 'MAX_COMPLETION_LOGPROB
            'AsciiJSONResponse', 'one_line', 'error_response', 'validation_message', 'is_json_content_type',
            'http_error_message', 'check_limit', 'BodyLimit', 'raw_response', 'SlowClientGuard', 'guarded_protocol',
            'longest_token_chars', 'PromptEncoder', 'usage', 'most_likely_first', 'LogprobFormat', 'sse', 'OpenAIReply',
-           'EngineCollector', 'GapHistogram', 'ServerMetrics', 'RequestTimer', 'generate_all', 'batch_window',
-           'Overloaded', 'ClientGone', 'EngineUnresponsive', 'served_names', 'OpenAIServer', 'until_disconnected',
-           'chat_messages', 'ApiKeyCheck', 'AnswerFailures', 'build_app', 'bind_socket', 'use_chat_template', 'serve']
+           'spec_decode_counters', 'EngineCollector', 'GapHistogram', 'ServerMetrics', 'RequestTimer', 'generate_all',
+           'batch_window', 'Overloaded', 'ClientGone', 'EngineUnresponsive', 'served_names', 'OpenAIServer',
+           'until_disconnected', 'chat_messages', 'ApiKeyCheck', 'AnswerFailures', 'build_app', 'bind_socket',
+           'use_chat_template', 'serve']
 
 # %% ../../nbs/13c_server.ipynb #ebfbba7b
 # subtle: strict, as OpenAI's API is: "yes" is not a boolean, true is not a token id, 2.5 is not a count
@@ -626,6 +627,12 @@ class OpenAIReply:
         return self.head | {"object": kind, "choices": choices, "usage": self._usage()} | (prompts.get(0, {}) if self.chat else {})
 
 # %% ../../nbs/13c_server.ipynb #f4b5e8cd
+def spec_decode_counters(s) -> tuple:
+    "Speculative decoding's counters, by vLLM's names: (name, help, value) of `EngineStats` `s`."
+    return (("spec_decode_num_drafts", "Sequences' steps with guesses (speculative decoding).", s.spec_drafts),
+            ("spec_decode_num_draft_tokens", "Guessed tokens checked.", s.spec_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Guessed tokens kept.", s.spec_accepted_tokens))
+
 class EngineCollector:
     "Prometheus metrics read from an `AsyncLLM`'s latest stats at each scrape: minivllm's, and vLLM's labelled `model_name`."
     def __init__(self, engine: AsyncLLM, model_name: str):
@@ -643,7 +650,7 @@ class EngineCollector:
         for name, doc, value in (("prompt_tokens", "Prompt tokens of the requests added.", s.prompt_tokens),
                                  ("generation_tokens", "Tokens generated.", s.generation_tokens),
                                  ("num_preemptions", "Sequences preempted for lack of KV-cache blocks.", s.preemptions),
-                                 ("engine_steps", "Engine steps computed.", s.steps)):
+                                 ("engine_steps", "Engine steps computed.", s.steps)) + spec_decode_counters(s):
             yield CounterMetricFamily(f"minivllm_{name}", doc, value=value)
         blocks = s.kv_blocks_used + s.kv_blocks_free
         usage = s.kv_blocks_used / blocks if blocks else 0.0
@@ -654,7 +661,8 @@ class EngineCollector:
                 (GaugeMetricFamily, "gpu_cache_usage_perc", "vllm:kv_cache_usage_perc, by its older name.", usage),
                 (CounterMetricFamily, "prompt_tokens", "Prompt tokens of the requests added.", s.prompt_tokens),
                 (CounterMetricFamily, "generation_tokens", "Tokens generated.", s.generation_tokens),
-                (CounterMetricFamily, "num_preemptions", "Sequences preempted for lack of KV-cache blocks.", s.preemptions)):
+                (CounterMetricFamily, "num_preemptions", "Sequences preempted for lack of KV-cache blocks.", s.preemptions),
+                *((CounterMetricFamily, *counter) for counter in spec_decode_counters(s))):
             family = kind(f"vllm:{name}", doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
