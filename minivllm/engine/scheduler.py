@@ -455,8 +455,10 @@ def guess(self: Scheduler, seq: Sequence, limit: int) -> list[int]:
 
 @patch
 def _with_guesses(self: Scheduler, batch: ScheduledBatch) -> ScheduledBatch:
-    "A decode batch whose sequences carry guesses where they have some: a verify batch (a prefill of each one's newest token and guesses); `batch` itself where none has, or a sequence is not plain greedy or has a token on its way."
-    if any(s.num_pending or s.plain_draw is None or s.plain_draw[0] >= GREEDY_TEMPERATURE for s in batch.seqs):
+    "A decode batch whose sequences carry guesses where they have some: a verify batch (a prefill of each one's newest token and guesses); `batch` itself where none has, a sequence is not plain greedy or has a token on its way, or the batch is larger than `disable_by_batch_size`."
+    most = self.speculative.disable_by_batch_size
+    if (most is not None and batch.num_seqs > most) or any(
+            s.num_pending or s.plain_draw is None or s.plain_draw[0] >= GREEDY_TEMPERATURE for s in batch.seqs):
         return batch
     budget, guesses = self.max_num_batched_tokens - batch.num_batched_tokens, []
     for seq in batch.seqs:
