@@ -24,11 +24,12 @@ except ImportError:
     HAS_FLASH_ATTN = False
 
 # %% auto #0
-__all__ = ['CPU_KERNEL_SOURCE', 'ATTENTION_BACKENDS', 'VLLM_BACKEND_NAMES', 'CPU_DECODE_DTYPES', 'attention_reference',
-           'causal_mask', 'attention_sdpa', 'gather_kv', 'decode_attention', 'paged_attention_torch',
-           'cpu_decode_kernel', 'cpu_store_kernel', 'paged_decode_attention_cpu', 'cpu_decode', 'store_implementation',
-           'store_kvcache', 'paged_attention_flash', 'attention_backend_name', 'check_backend_runs',
-           'attention_backend', 'attention_implementation', 'Attention', 'set_attention_backend']
+__all__ = ['CPU_KERNEL_SOURCE', 'CPU_PREFIX_QUERIES', 'ATTENTION_BACKENDS', 'VLLM_BACKEND_NAMES', 'CPU_DECODE_DTYPES',
+           'attention_reference', 'causal_mask', 'attention_sdpa', 'gather_kv', 'decode_attention',
+           'paged_attention_torch', 'cpu_decode_kernel', 'cpu_store_kernel', 'paged_decode_attention_cpu', 'cpu_decode',
+           'cpu_prefix_kernel', 'cpu_prefill', 'store_implementation', 'store_kvcache', 'paged_attention_flash',
+           'attention_backend_name', 'check_backend_runs', 'attention_backend', 'attention_implementation', 'Attention',
+           'set_attention_backend']
 
 # %% ../nbs/06a_attention.ipynb #345919a1
 def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -132,6 +133,21 @@ def cpu_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch
     "The C++ decode as the layer calls it, on the tensors the engine built: `paged_decode_attention_cpu` without its checks."
     return cpu_decode_kernel()(q, k_cache, v_cache, metadata.block_tables, metadata.context_lens, scale)
 
+@functools.cache
+def cpu_prefix_kernel():
+    "The compiled CPU attention of a few queries a sequence over its cached prefix (the decode kernel's library), or None."
+    return torch.ops.minivllm_cpu.paged_prefix_attention if cpu_decode_kernel() is not None else None
+
+CPU_PREFIX_QUERIES = 16  # most new tokens a sequence where the kernel beats SDPA sequence by sequence (measured)
+
+def cpu_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None,
+                v_cache: torch.Tensor | None, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    "A prefill on the CPU: the C++ kernel where every sequence brings at most `CPU_PREFIX_QUERIES` queries over a cached prefix (a verify step, a short chunk), SDPA sequence by sequence otherwise."
+    md = metadata
+    if md.block_tables is None or md.max_seqlen_q > CPU_PREFIX_QUERIES:
+        return paged_attention_torch(q, k, v, k_cache, v_cache, md, scale, attend=attention_sdpa)
+    return cpu_prefix_kernel()(q, k_cache, v_cache, md.block_tables, md.cu_seqlens_q, md.cu_seqlens_k, scale)
+
 # %% ../nbs/06a_attention.ipynb #e7cf03d2
 def store_implementation(device: torch.device | str, checked: bool = True) -> Callable:
     "The cache store for `device`: C++ on the CPU, Triton on a GPU, else torch's (its arguments `checked` or not); each called `(key, value, k_cache, v_cache, slot_mapping)`."
@@ -209,10 +225,11 @@ def attention_backend(device: torch.device | str, dtype: torch.dtype, head_dim: 
                       block_size: int | None = None) -> str:
     "The fastest backend for prefills (or decodes) of a model in `dtype` on `device`: flash-attn or Triton on a GPU, the C++ kernel or SDPA on the CPU."
     if torch.device(device).type != "cuda":
-        # subtle: prefill runs SDPA, as transformers does; decode runs the kernel, float32 math on float32 or bfloat16
-        # caches with one rounding of its output (close to SDPA's bfloat16, not its bits; float16 keeps SDPA).
-        # `attention_reference` stays the readable definition that the tests check both against.
-        if not is_prefill and dtype in CPU_DECODE_DTYPES and head_dim <= 256 and cpu_decode_kernel() is not None:
+        # subtle: a long prefill runs SDPA, as transformers does (`cpu_prefill` sends it there); decode and a few
+        # queries over a cached prefix run the kernel, float32 math on float32 or bfloat16 caches with one rounding of
+        # its output (close to SDPA's bfloat16, not its bits; float16 keeps SDPA). `attention_reference` stays the
+        # readable definition that the tests check both against.
+        if dtype in CPU_DECODE_DTYPES and head_dim <= 256 and cpu_decode_kernel() is not None:
             return "cpu"
         return "sdpa"
     from minivllm.gpu import HAS_TRITON  # notebook 06b: on a GPU only
@@ -228,8 +245,8 @@ def attention_implementation(backend: str, is_prefill: bool, dtype: torch.dtype)
     if backend == "triton":  # notebook 06b; imported here, so that the CPU path never loads triton
         from minivllm.gpu import paged_attention_triton
         return paged_attention_triton
-    if backend == "cpu" and not is_prefill and dtype in CPU_DECODE_DTYPES:  # else SDPA, as 'sdpa'
-        return cpu_decode
+    if backend == "cpu" and dtype in CPU_DECODE_DTYPES:  # else SDPA, as 'sdpa'
+        return cpu_prefill if is_prefill else cpu_decode
     return functools.partial(paged_attention_torch, attend=attention_reference if backend == "torch" else attention_sdpa)
 
 

@@ -395,13 +395,16 @@ def test_attention_rejects_what_it_cannot_do():
         Attention(4, 8, 0.3, 4)(q, k, k, None, None, prefill_metadata([[]], [0], [2], 4))
 
 
-def test_backend_on_cpu_is_the_kernel_for_float32_and_bfloat16_decode_else_sdpa():
+def test_backend_on_cpu_is_the_kernel_for_float32_and_bfloat16_else_sdpa():
     kernel = "cpu" if HAS_CPU_KERNEL else "sdpa"
     assert attention_backend("cpu", torch.float32, 8, is_prefill=False) == kernel
     assert attention_backend("cpu", torch.bfloat16, 8, is_prefill=False) == kernel
     assert attention_backend("cpu", torch.float16, 8, is_prefill=False) == "sdpa"
     assert attention_backend("cpu", torch.float32, 512, is_prefill=False) == "sdpa"  # past the kernel's head size
-    assert attention_backend("cpu", torch.float32, 8, is_prefill=True) == "sdpa"
+    # a prefill takes the kernel's backend too: `cpu_prefill` runs the kernel for a few queries over a cached prefix,
+    # SDPA for the rest (notebook 06a)
+    assert attention_backend("cpu", torch.float32, 8, is_prefill=True) == kernel
+    assert attention_backend("cpu", torch.float16, 8, is_prefill=True) == "sdpa"
 
 
 @pytest.mark.parametrize("env, expect", [({"MINIVLLM_CPU_KERNEL": "0"}, "None\n"),
