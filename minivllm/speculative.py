@@ -100,12 +100,13 @@ def ngram_proposal(token_ids: Sequence[int], k: int, min_n: int = 1, max_n: int 
 # %% ../nbs/05c_speculative.ipynb #f384a25e
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    "Speculative decoding by n-gram lookup: up to `num_speculative_tokens` guesses a step, after the first earlier occurrence of the longest suffix of `prompt_lookup_min` to `prompt_lookup_max` tokens."
+    "Speculative decoding: up to `num_speculative_tokens` guesses a step, by n-gram lookup (after the first earlier occurrence of the longest suffix of `prompt_lookup_min` to `prompt_lookup_max` tokens) or by a draft `model`."
     num_speculative_tokens: int
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
-    method: str = "ngram"
+    method: str = "ngram"  # or "draft_model", with `model`
     disable_by_batch_size: int | None = None  # vLLM's: no guesses in a decode step of more sequences than this
+    model: str | None = None  # the draft model's checkpoint (a folder or a hub id), guessing greedily
 
     @classmethod
     def parse(cls, config: dict | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -123,12 +124,18 @@ class SpeculativeConfig:
                              f"got {config!r}")
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "disable_by_batch_size"}
         if unknown := sorted(set(config) - known):
-            raise ValueError(f"speculative_config has unknown keys {unknown}: it takes {sorted(known - {'model'})}")
-        if config.get("model") is not None and config["model"] != "ngram":
-            raise ValueError("speculative decoding with a draft model is not supported yet: use n-gram lookup, "
-                             "{'method': 'ngram', 'num_speculative_tokens': 4}")
-        if config.get("method", "ngram") != "ngram":
-            raise ValueError(f"speculative_config's method must be 'ngram' (n-gram lookup), got {config['method']!r}")
+            raise ValueError(f"speculative_config has unknown keys {unknown}: it takes {sorted(known)}")
+        model = config.get("model")
+        model = None if model == "ngram" else model  # (vLLM's older spelling of n-gram lookup)
+        if model is not None and not (isinstance(model, str) and model):
+            raise ValueError(f"speculative_config's model must be a checkpoint folder or hub id, got {model!r}")
+        method = config.get("method", "ngram" if model is None else "draft_model")
+        if method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config's method must be 'ngram' (n-gram lookup) or 'draft_model' (with a "
+                             f"model), got {method!r}")
+        if (method == "draft_model") != (model is not None):
+            raise ValueError("speculative_config's method 'draft_model' needs a model, and a model needs the method "
+                             f"'draft_model' (got method {method!r}, model {model!r})")
         def count(name: str, value) -> int:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config's {name} must be an integer >= 1, got {value!r}")
@@ -141,8 +148,8 @@ class SpeculativeConfig:
         batch = config.get("disable_by_batch_size")
         spec = cls(count("num_speculative_tokens", config["num_speculative_tokens"]),
                    count("prompt_lookup_max", 5 if lookup_max is None else lookup_max),
-                   count("prompt_lookup_min", 5 if lookup_min is None else lookup_min),
-                   disable_by_batch_size=None if batch is None else count("disable_by_batch_size", batch))
+                   count("prompt_lookup_min", 5 if lookup_min is None else lookup_min), method,
+                   disable_by_batch_size=None if batch is None else count("disable_by_batch_size", batch), model=model)
         if spec.prompt_lookup_min > spec.prompt_lookup_max:
             raise ValueError(f"speculative_config's prompt_lookup_min ({spec.prompt_lookup_min}) must be at most its "
                              f"prompt_lookup_max ({spec.prompt_lookup_max})")

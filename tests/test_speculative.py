@@ -140,6 +140,24 @@ def test_greedy_tokens_with_ngram_speculation_equal_greedy_tokens_without(checkp
         assert scheduler.num_guessed_tokens > 0 and 0 <= scheduler.num_kept_guesses <= scheduler.num_guessed_tokens
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_tokens_with_a_draft_model_equal_greedy_tokens_without(checkpoint, tmp_path, tp):
+    "A draft model's guesses: the target itself keeps every guess, an unrelated model few; the same greedy tokens at TP 1 and 2."
+    unrelated = make_tiny_checkpoint(tmp_path / "unrelated", "llama", num_hidden_layers=1, seed=11)
+    prompts, params = repeating_prompts(), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(checkpoint, tensor_parallel_size=tp, max_model_len=128) as llm:
+        expected = generate(llm, prompts, params)
+    kept = {}
+    for name, draft in (("itself", checkpoint), ("unrelated", unrelated)):
+        spec = {"model": str(draft), "num_speculative_tokens": 4}
+        with LLM(checkpoint, tensor_parallel_size=tp, max_model_len=128, speculative_config=spec) as llm:
+            assert generate(llm, prompts, params) == expected
+            s = llm.llm_engine.scheduler
+            kept[name] = s.num_kept_guesses / max(1, s.num_guessed_tokens)
+            assert s.num_guessed_tokens > 0
+    assert kept["itself"] == 1.0 and kept["unrelated"] < 0.5, kept
+
+
 def oracle(llm, prompts, continuations):
     "Make the engine's guesses the expected continuation itself: every guess right."
     by_prompt = {tuple(p): c for p, c in zip(prompts, continuations)}

@@ -21,6 +21,7 @@ from .launch import Ranks
 from .args import EngineArgs
 from .model_runner import ModelRunner
 from .scheduler import ScheduledBatch, Scheduler
+from ..speculative import SpeculativeConfig
 from .step import PendingOutput
 from ..sampling_params import SamplingParams
 from .sequence import Sequence
@@ -33,7 +34,7 @@ if TYPE_CHECKING:  # the channels' types, for the annotations only: the ranks ar
     from minivllm.cluster import GlooCommandChannel
 
 # %% auto #0
-__all__ = ['LLMEngine', 'sample_seed', 'check_params_for_vocab', 'constraint_matchers']
+__all__ = ['LLMEngine', 'sample_seed', 'check_params_for_vocab', 'constraint_matchers', 'DraftModel']
 
 # %% ../../nbs/11b_llm_engine.ipynb #edca0960
 class LLMEngine:
@@ -44,10 +45,18 @@ class LLMEngine:
         self.args = args = args.resolved(self.config)
         self.ranks = Ranks(args)  # every rank's process, started and stopped in one place (notebook 11a)
         self._finalizer = weakref.finalize(self, self.ranks.close)  # subtle: holds the ranks, not the engine
+        self.draft: DraftModel | None = None  # a draft model's engine, where speculative_config names one
         self.args = args = self.ranks.start()  # on failure, what had started is stopped
+        speculative = SpeculativeConfig.parse(args.speculative_config)
+        if speculative is not None and speculative.model is not None:
+            try:
+                self.draft = DraftModel(speculative.model, self.config.vocab_size, args)
+            except BaseException:
+                self.close()  # subtle: no rank process outlives a draft model that cannot run
+                raise
         self.scheduler = Scheduler(BlockManager(self.runner.num_blocks, args.kvcache_block_size), args.max_num_seqs,
                                    args.max_num_batched_tokens, args.max_model_len, self.config.eos_token_ids,
-                                   args.speculative_config)
+                                   speculative, proposer=self.draft)
         self.in_flight: deque[tuple[ScheduledBatch, PendingOutput]] = deque()  # launched, not yet recorded
 
     @property
@@ -82,8 +91,10 @@ class LLMEngine:
         return Grammars(tokenizer, self.config.vocab_size, self.args.structured_outputs_backend)
 
     def close(self) -> None:
-        "Stop the worker processes, free the shared memory and leave the process group. Idempotent."
+        "Stop the worker processes (and a draft model's), free the shared memory and leave the process group. Idempotent."
         self._finalizer()
+        if self.draft is not None:
+            self.draft.close()
 
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
@@ -180,3 +191,29 @@ def _guarded(self: LLMEngine, call, *args):
         if isinstance(e, KeyboardInterrupt):
             raise KeyboardInterrupt("interrupted in the middle of a step: the engine has shut down") from e
         raise
+
+# %% ../../nbs/11b_llm_engine.ipynb #2de35c5a
+class DraftModel:
+    "A draft model's greedy guesses for a batch of sequences: a checkpoint with the target's vocabulary, run by an engine of its own (its own KV cache, each sequence's text prefix-cached from one step to the next)."
+    def __init__(self, model: str | Path, vocab_size: int, target: EngineArgs):
+        self.engine = LLMEngine(model, tensor_parallel_size=1, dtype=target.dtype, max_model_len=target.max_model_len,
+                                max_num_seqs=target.max_num_seqs, max_num_batched_tokens=target.max_num_batched_tokens,
+                                kvcache_block_size=target.kvcache_block_size, enforce_eager=target.enforce_eager,
+                                device=target.device, num_threads=target.num_threads, async_scheduling=False,
+                                attention_backend=target.attention_backend)
+        if self.engine.config.vocab_size != vocab_size:
+            self.engine.close()
+            raise ValueError(f"the draft model {model} has a vocabulary of {self.engine.config.vocab_size} tokens and "
+                             f"the target {vocab_size}: a draft model must share the target's tokenizer")
+
+    def __call__(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        "At most `limits[i]` greedy guesses of the tokens after `seqs[i]`'s, for all of them in the draft's steps."
+        greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) if n else None for n in limits]
+        drafts = [self.engine.add(seq.token_ids, g)[0] if g else None for seq, g in zip(seqs, greedy)]
+        while not self.engine.scheduler.is_finished():
+            self.engine.step()
+        return [d.completion_token_ids if d else [] for d in drafts]
+
+    def close(self) -> None:
+        "Stop the draft model's engine. Idempotent."
+        self.engine.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..config import check_positive_int, check_token_ids
@@ -130,7 +130,8 @@ class Scheduler:
     "Picks each step's batch: prefill (chunked when long) before decode, within the budgets, preempting when the KV cache is full."
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int = 4096, eos_token_ids: Iterable[int] = (),
-                 speculative: SpeculativeConfig | dict | str | None = None):
+                 speculative: SpeculativeConfig | dict | str | None = None,
+                 proposer: Callable[[list[Sequence], list[int]], list[list[int]]] | None = None):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
             check_positive_int(name, value)
@@ -151,6 +152,8 @@ class Scheduler:
         self.last_was_prefill = True  # whether the last step scheduled was a prefill step
         # guesses for greedy decode steps (notebook 05c; vLLM's dict, its JSON text or a SpeculativeConfig)
         self.speculative = SpeculativeConfig.parse(speculative)
+        # a draft model's guesses for a batch, at most `limits[i]` for sequence i (notebook 11b); None: `guess`'s
+        self.proposer = proposer
         # speculative decoding so far: sequences' steps with guesses, their guesses, and the guesses kept
         self.num_drafts = self.num_guessed_tokens = self.num_kept_guesses = 0
 
@@ -460,15 +463,19 @@ def _with_guesses(self: Scheduler, batch: ScheduledBatch) -> ScheduledBatch:
     if (most is not None and batch.num_seqs > most) or any(
             s.num_pending or s.plain_draw is None or s.plain_draw[0] >= GREEDY_TEMPERATURE for s in batch.seqs):
         return batch
-    budget, guesses = self.max_num_batched_tokens - batch.num_batched_tokens, []
+    budget, limits, guesses = self.max_num_batched_tokens - batch.num_batched_tokens, [], []
     for seq in batch.seqs:
-        # a step emits its kept guesses and one more token, within the sequence's length limit
-        g = self.guess(seq, min(budget, seq.token_limit - seq.num_tokens - 1))
+        # a step emits its kept guesses and one more token, within the sequence's length limit and the step's budget
+        limits.append(max(0, min(budget, seq.token_limit - seq.num_tokens - 1, self.speculative.num_speculative_tokens)))
+        budget -= limits[-1]
+    proposed = (self.proposer(batch.seqs, limits) if self.proposer is not None else
+                [self.guess(seq, limit) if limit else [] for seq, limit in zip(batch.seqs, limits)])
+    for seq, g, limit in zip(batch.seqs, proposed, limits):
+        g = list(g[:limit])
         if g and self.block_manager.can_grow(seq.block_table, seq.num_tokens + len(g)):  # free blocks only
             self.block_manager.grow(seq.block_table, seq.num_tokens + len(g))
         else:
             g = []
-        budget -= len(g)
         guesses.append(g)
     if not any(guesses):
         return batch
