@@ -475,6 +475,8 @@ def run_scheduler(scheduler: Scheduler, requests: list[tuple[list[int], Sampling
         "Record the oldest computed step."
         finished = scheduler.postprocess(*flying.popleft())
         assert all(s.is_finished and s.block_table == [] and s not in scheduler.running for s in finished)
+        # no block past a sequence's tokens (a verify step's rejected guesses give theirs back)
+        assert all(len(s.block_table) <= bm.blocks_for(s.num_tokens) for s in scheduler.running if not s.num_pending)
     while step <= max(arrivals) or not scheduler.is_finished() or flying:
         for i, (prompt, params) in enumerate(requests):
             if arrivals[i] == step:

@@ -77,7 +77,8 @@ class ScheduledBatch:
         "Each sequence's row of the ranks' block tables, and what changed in them since they last heard (`schedule` records that they have); `(None, None)` for sequences the scheduler has not placed (a batch built by hand)."
         if any(s.table_row is None for s in self.seqs):
             return None, None
-        # a table only grows while its sequence holds its row
+        # a table only grows while its sequence holds its row (where rejected guesses gave blocks back, the ranks'
+        # ids past its end are rewritten when it grows again: `_record_guesses`)
         updates = [(s.table_row, s.blocks_on_ranks, s.block_table[s.blocks_on_ranks:]) for s in self.seqs
                    if len(s.block_table) != s.blocks_on_ranks]
         return [s.table_row for s in self.seqs], updates
@@ -508,6 +509,12 @@ def _record_guesses(self: Scheduler, batch: ScheduledBatch, greedy_tokens: list[
             # subtle: `schedule` counted every guess as computed; only the kept ones' keys and values are right, and
             # the rejected ones' (past these) are written over by the next step
             seq.num_computed_tokens = computed + 1 + kept
+            if len(seq.block_table) > (need := self.block_manager.blocks_for(seq.num_tokens)):
+                # blocks only rejected guesses reached go back (never hashed: they hold no computed token); the
+                # ranks' row is rewritten from there when the table grows again (past it, no step reads)
+                self.block_manager.free(seq.block_table[need:])
+                del seq.block_table[need:]
+                seq.blocks_on_ranks = min(seq.blocks_on_ranks, need)
             if seq.num_computed_tokens // block_size > computed // block_size:
                 self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
     return finished
