@@ -158,6 +158,22 @@ def test_greedy_tokens_with_a_draft_model_equal_greedy_tokens_without(checkpoint
     assert kept["itself"] == 1.0 and kept["unrelated"] < 0.5, kept
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sampled_requests_guess_too_and_seeded_ones_keep_their_tokens(checkpoint, tp):
+    "Sampled requests beside a greedy one: each row draws at its own position and a guess is kept where the draw equals it (notebook 05c's rule for a certain guess); a seeded draw depends on its seed and position only, so the tokens are those without guesses."
+    prompts = repeating_prompts()
+    params = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=i, max_tokens=30, ignore_eos=True)
+              for i in range(len(prompts))]
+    params[1] = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    run = lambda llm: [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(checkpoint, tensor_parallel_size=tp, max_model_len=128) as llm:
+        expected = run(llm)
+    with LLM(checkpoint, tensor_parallel_size=tp, max_model_len=128, speculative_config=NGRAM) as llm:
+        assert run(llm) == expected
+        scheduler = llm.llm_engine.scheduler
+        assert scheduler.num_drafts > 0 and scheduler.num_kept_guesses > 0
+
+
 def oracle(llm, prompts, continuations):
     "Make the engine's guesses the expected continuation itself: every guess right."
     by_prompt = {tuple(p): c for p, c in zip(prompts, continuations)}

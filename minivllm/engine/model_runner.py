@@ -319,6 +319,8 @@ def run(self: ModelRunner, step: StepInputs) -> StepOutput | None:
 def launch(self: ModelRunner, step: StepInputs) -> PendingOutput | None:
     "Start one step on this rank (on a GPU the host goes on while it runs); rank 0 gets its output on its way, the others None."
     sampling = step.sampling  # rank 0's (notebook 08c): None in a plain greedy step, and on the other ranks
+    # the rows it samples from: one a sequence, and one more a guess (speculative decoding, notebook 09)
+    num_rows = len(step.num_new_tokens) + sum(step.num_guesses or ())
     if step.num_threads is not None and step.num_threads != torch.get_num_threads():
         torch.set_num_threads(step.num_threads)
     prompt_logprobs = None
@@ -330,8 +332,6 @@ def launch(self: ModelRunner, step: StepInputs) -> PendingOutput | None:
             return self._output(tokens)
     else:
         hidden = self._last_hidden(step, self.kv_cache)
-        # the rows it samples from: one a sequence, and one more a guess (speculative decoding, notebook 09)
-        num_rows = len(step.num_new_tokens) + sum(step.num_guesses or ())
         if step.prompt_logprob_rows:  # subtle: on every rank, before the sampled tokens' LM head (it is collective)
             hidden, prompt_logprobs = hidden[:num_rows], self._prompt_logprobs(hidden[num_rows:], sampling)
         if step.greedy:
@@ -340,11 +340,11 @@ def launch(self: ModelRunner, step: StepInputs) -> PendingOutput | None:
             return self._output(tokens, prompt_logprobs=prompt_logprobs) if self.rank == 0 else None
         logits = self.model.compute_logits(hidden)
         if self.rank != 0:
-            return self._shared(None, len(step.num_new_tokens)) if self.shares_tokens else None
+            return self._shared(None, num_rows) if self.shares_tokens else None
     s = sampling
     logits = raw = s.constrained(logits)  # (a constraint's mask first: logprobs are of what may be sampled)
     tokens = self.sampler(s.apply(logits), s.temperatures, s.top_ks, s.top_ps, s.seeds, s.steps, self.generator, s.min_ps)
-    if self.shares_tokens: tokens = self._shared(tokens, len(step.num_new_tokens))
+    if self.shares_tokens: tokens = self._shared(tokens, num_rows)
     return self._output(tokens, raw, s.num_logprobs, prompt_logprobs)
 
 @patch

@@ -94,6 +94,8 @@ class ScheduledBatch:
         new_token_ids = [s.token_ids[c:c + n] for s, c, n in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)]
         if self.guesses is not None:  # after its newest token, the guesses: not in its tokens (yet)
             new_token_ids = [ids + g for ids, g in zip(new_token_ids, self.guesses)]
+            if sampling is not None:  # a draw a row, each at its own position (plain draws only: `_with_guesses`)
+                sampling = sampling.on_rows([1 + len(g) for g in self.guesses])
         # a decode whose newest token has not landed: the runner takes it from the step before's sampled tokens
         pending = [(i, s.sample_row) for i, s in enumerate(self.seqs) if s.num_pending]
         for i, _ in pending:
@@ -459,10 +461,9 @@ def guess(self: Scheduler, seq: Sequence, limit: int) -> list[int]:
 
 @patch
 def _with_guesses(self: Scheduler, batch: ScheduledBatch) -> ScheduledBatch:
-    "A decode batch whose sequences carry guesses where they have some: a verify batch (a prefill of each one's newest token and guesses); `batch` itself where none has, a sequence is not plain greedy or has a token on its way, or the batch is larger than `disable_by_batch_size`."
+    "A decode batch whose sequences carry guesses where they have some: a verify batch (a prefill of each one's newest token and guesses); `batch` itself where none has, a sequence draws with more than a temperature, top-k, top-p and seed or has a token on its way, or the batch is larger than `disable_by_batch_size`."
     most = self.speculative.disable_by_batch_size
-    if (most is not None and batch.num_seqs > most) or any(
-            s.num_pending or s.plain_draw is None or s.plain_draw[0] >= GREEDY_TEMPERATURE for s in batch.seqs):
+    if (most is not None and batch.num_seqs > most) or any(s.num_pending or s.plain_draw is None for s in batch.seqs):
         return batch
     budget, limits, guesses = self.max_num_batched_tokens - batch.num_batched_tokens, [], []
     for seq in batch.seqs:
@@ -484,22 +485,22 @@ def _with_guesses(self: Scheduler, batch: ScheduledBatch) -> ScheduledBatch:
                           batch.eos_token_ids, samples=[True] * batch.num_seqs, guesses=guesses)
 
 @patch
-def _record_guesses(self: Scheduler, batch: ScheduledBatch, greedy_tokens: list[int]) -> list[Sequence]:
-    "Record a verify step: each sequence keeps the guesses its greedy tokens agree with, then the greedy token after them, up to where it ends; the finished ones."
+def _record_guesses(self: Scheduler, batch: ScheduledBatch, drawn_tokens: list[int]) -> list[Sequence]:
+    "Record a verify step: each sequence keeps the guesses its drawn tokens agree with, then the drawn token after them, up to where it ends; the finished ones."
     finished, start, block_size = [], 0, self.block_manager.block_size
     for seq, computed, guesses in zip(batch.seqs, batch.num_computed_tokens, batch.guesses):
-        greedy = greedy_tokens[start:start + len(guesses) + 1]  # after its newest token, then after each guess
+        drawn = drawn_tokens[start:start + len(guesses) + 1]  # after its newest token, then after each guess
         start += len(guesses) + 1
         if seq.status is SequenceStatus.FINISHED:
             continue  # it ended (an abort) after this batch was scheduled
         kept = 0
-        while kept < len(guesses) and guesses[kept] == greedy[kept]:
+        while kept < len(guesses) and guesses[kept] == drawn[kept]:
             kept += 1
         self.num_drafts += bool(guesses)
         self.num_guessed_tokens += len(guesses)
         self.num_kept_guesses += kept
         seq.num_pending -= 1
-        for token in guesses[:kept] + [greedy[kept]]:
+        for token in guesses[:kept] + [drawn[kept]]:
             seq.token_ids.append(token)
             if (reason := self._finish_reason(seq)) is not None:  # a stop or its length inside the run: cut there
                 self._finish(seq, reason)

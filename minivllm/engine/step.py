@@ -5,7 +5,7 @@
 # %% ../../nbs/08c_step.ipynb #e56fac01
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -71,6 +71,15 @@ class SamplingInputs:
         if any(p.logprobs is not None for p in params):
             inputs.num_logprobs = [p.logprobs for p in params]
         return inputs
+
+    def on_rows(self, rows: list[int]) -> SamplingInputs:
+        "These plain settings (temperature, top-k, top-p, seed) spread over `rows[i]` rows for sequence i, each row a position on from its sequence's: a verify step's draws (notebook 09)."
+        extra = {f.name for f in fields(self)} - {"temperatures", "top_ks", "top_ps", "seeds", "steps"}
+        if any(getattr(self, name) is not None for name in extra):
+            raise ValueError("only plain draws (temperature, top-k, top-p, seed) spread over a verify step's rows")
+        spread = lambda values: [v for v, n in zip(values, rows) for _ in range(n)]
+        return SamplingInputs(spread(self.temperatures), spread(self.top_ks), spread(self.top_ps), spread(self.seeds),
+                              [step + j for step, n in zip(self.steps, rows) for j in range(n)])
 
     def constrained(self, logits: torch.Tensor) -> torch.Tensor:
         "The logits with every token a row's constraint leaves out at -inf (structured outputs); what logprobs report."
