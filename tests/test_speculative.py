@@ -3,6 +3,7 @@ sequence's newest token and its guesses in one prefill-type pass over its cached
 by one would; greedy decoding by such steps gives greedy's tokens whatever the guesses, and guesses it rejects leave
 no trace in the cache."""
 import random
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -172,6 +173,47 @@ def test_sampled_requests_guess_too_and_seeded_ones_keep_their_tokens(checkpoint
         assert run(llm) == expected
         scheduler = llm.llm_engine.scheduler
         assert scheduler.num_drafts > 0 and scheduler.num_kept_guesses > 0
+
+
+def two_sample_p(a: Counter, b: Counter, least: int = 10) -> float:
+    "The p-value of Pearson's chi-squared test that counts `a` and `b` come from one distribution (outcomes seen fewer than `least` times in both pooled)."
+    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= least]
+    rows = [(a[k], b[k]) for k in keys]
+    rows += [(sum(a.values()) - sum(r[0] for r in rows), sum(b.values()) - sum(r[1] for r in rows))]
+    na, nb = sum(a.values()), sum(b.values())
+    x = sum((c - (ca + cb) * n / (na + nb)) ** 2 / ((ca + cb) * n / (na + nb))
+            for ca, cb in rows if ca + cb for c, n in ((ca, na), (cb, nb)))
+    df = sum(1 for ca, cb in rows if ca + cb) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64)))
+
+
+def test_unseeded_sampled_tokens_with_guesses_follow_the_models_distribution(checkpoint):
+    "1,500 unseeded draws of one prompt, with the most common continuation guessed after the first token: the tokens it guessed come as often as without guesses (chi-squared), where keeping every guess would not."
+    prompt, n = repeating_prompts()[1], 1500
+    params = SamplingParams(temperature=0.6, max_tokens=4, ignore_eos=True)
+    run = lambda llm: [tuple(o.outputs[0].token_ids) for o in llm.generate([prompt] * n, params, use_tqdm=False)]
+    with LLM(checkpoint, max_model_len=64) as llm:
+        plain = run(llm)
+    common = list(Counter(t[1:3] for t in plain).most_common(1)[0][0])
+    guessed = {}
+    for rule in ("the engine's", "keep every guess (wrong)"):
+        with LLM(checkpoint, max_model_len=64, speculative_config={"num_speculative_tokens": 2}) as llm:
+            scheduler = llm.llm_engine.scheduler
+            scheduler.guess = lambda seq, limit: common[:limit] if seq.num_completion_tokens == 1 else []
+            if rule != "the engine's":
+                record = scheduler._record_guesses
+                def keep_all(batch, drawn, record=record):
+                    drawn, start = list(drawn), 0
+                    for g in batch.guesses:
+                        drawn[start:start + len(g)] = g
+                        start += len(g) + 1
+                    return record(batch, drawn)
+                scheduler._record_guesses = keep_all
+            guessed[rule] = run(llm)
+            assert scheduler.num_kept_guesses > 100  # the guesses were right often enough to matter
+    p = {rule: two_sample_p(Counter(t[1:3] for t in plain), Counter(t[1:3] for t in tokens))
+         for rule, tokens in guessed.items()}
+    assert p["the engine's"] > 1e-3 and p["keep every guess (wrong)"] < 1e-6, p
 
 
 def oracle(llm, prompts, continuations):
