@@ -356,7 +356,7 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
     # subtle: a sequence that asks for logprobs never runs in a greedy step, whose `sampling` is None
     asked = logprobs is not None or (batch.step.sampling is not None and batch.step.sampling.num_logprobs is not None)
     if asked or not (set(map(type, sampled_token_ids)) <= {int} and min(sampled_token_ids, default=0) >= 0):
-        if batch.guesses is not None:  # a verify step is greedy: each of its rows gives a token id
+        if batch.guesses is not None:  # a verify step draws plainly (no logprobs): each of its rows gives a token id
             bad = next(t for t in sampled_token_ids if type(t) is not int or t < 0)
             raise ValueError(f"the tokens of a step with guesses must be token ids (integers >= 0), got {bad!r}")
         for i, (seq, samples, token) in enumerate(zip(batch.seqs, batch.samples, sampled_token_ids)):
