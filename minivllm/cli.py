@@ -167,8 +167,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "refuses (default: auto)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding, as vLLM's option: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                        "\"prompt_lookup_max\": 3, \"prompt_lookup_min\": 1}' checks n-gram lookup's guesses in greedy "
-                        "decode steps (default: off)")
+                        "\"prompt_lookup_max\": 3, \"prompt_lookup_min\": 1}' checks n-gram lookup's guesses in decode "
+                        "steps; '{\"model\": PATH, \"num_speculative_tokens\": 4}' a draft model's (default: off)")
 
 def _given_engine_options(a: argparse.Namespace) -> dict:
     "--device, --block-size, --async-scheduling, --structured-outputs-backend and --speculative-config as the engine's arguments, each only when given (else EngineArgs' default)."
