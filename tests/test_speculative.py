@@ -175,6 +175,25 @@ def test_sampled_requests_guess_too_and_seeded_ones_keep_their_tokens(checkpoint
         assert scheduler.num_drafts > 0 and scheduler.num_kept_guesses > 0
 
 
+def test_logprobs_with_guesses_are_those_without(checkpoint):
+    "Seeded requests asking for logprobs guess too: each emitted token's logprobs are its row's, equal to decoding without guesses."
+    prompts = repeating_prompts()
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=20, ignore_eos=True, logprobs=2) for i in range(len(prompts))]
+    run = lambda llm: llm.generate(prompts, params, use_tqdm=False)
+    with LLM(checkpoint, max_model_len=128) as llm:
+        expected = run(llm)
+    with LLM(checkpoint, max_model_len=128, speculative_config=NGRAM) as llm:
+        got = run(llm)
+        assert llm.llm_engine.scheduler.num_kept_guesses > 0
+    for e, g in zip(expected, got):
+        e, g = e.outputs[0], g.outputs[0]
+        assert g.token_ids == e.token_ids and len(g.logprobs) == len(e.logprobs) == 20
+        for le, lg in zip(e.logprobs, g.logprobs):
+            assert le.keys() == lg.keys()
+            torch.testing.assert_close([x.logprob for x in lg.values()], [x.logprob for x in le.values()], **F32)
+            assert [x.rank for x in lg.values()] == [x.rank for x in le.values()]
+
+
 def two_sample_p(a: Counter, b: Counter, least: int = 10) -> float:
     "The p-value of Pearson's chi-squared test that counts `a` and `b` come from one distribution (outcomes seen fewer than `least` times in both pooled)."
     keys = [k for k in set(a) | set(b) if a[k] + b[k] >= least]
@@ -202,12 +221,12 @@ def test_unseeded_sampled_tokens_with_guesses_follow_the_models_distribution(che
             scheduler.guess = lambda seq, limit: common[:limit] if seq.num_completion_tokens == 1 else []
             if rule != "the engine's":
                 record = scheduler._record_guesses
-                def keep_all(batch, drawn, record=record):
+                def keep_all(batch, drawn, *logprobs, record=record):
                     drawn, start = list(drawn), 0
                     for g in batch.guesses:
                         drawn[start:start + len(g)] = g
                         start += len(g) + 1
-                    return record(batch, drawn)
+                    return record(batch, drawn, *logprobs)
                 scheduler._record_guesses = keep_all
             guessed[rule] = run(llm)
             assert scheduler.num_kept_guesses > 100  # the guesses were right often enough to matter

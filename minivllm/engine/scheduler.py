@@ -356,10 +356,18 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
     # subtle: a sequence that asks for logprobs never runs in a greedy step, whose `sampling` is None
     asked = logprobs is not None or (batch.step.sampling is not None and batch.step.sampling.num_logprobs is not None)
     if asked or not (set(map(type, sampled_token_ids)) <= {int} and min(sampled_token_ids, default=0) >= 0):
-        if batch.guesses is not None:  # a verify step draws plainly (no logprobs): each of its rows gives a token id
-            bad = next(t for t in sampled_token_ids if type(t) is not int or t < 0)
-            raise ValueError(f"the tokens of a step with guesses must be token ids (integers >= 0), got {bad!r}")
+        if batch.guesses is not None:  # a verify step: each of its rows gives a token id, and logprobs where asked
+            if bad := [t for t in sampled_token_ids if type(t) is not int or t < 0]:
+                raise ValueError(f"the tokens of a step with guesses must be token ids (integers >= 0), got {bad[0]!r}")
+            start = 0
+            for seq, guesses in zip(batch.seqs, batch.guesses):
+                rows, start = range(start, start + len(guesses) + 1), start + len(guesses) + 1
+                if seq.logprobs is not None and not (logprobs and all(isinstance(logprobs[r], dict) for r in rows)):
+                    raise ValueError(f"sequence {seq.seq_id} asked for logprobs: give a {{token id: logprob}} for "
+                                     "each of its rows")
         for i, (seq, samples, token) in enumerate(zip(batch.seqs, batch.samples, sampled_token_ids)):
+            if batch.guesses is not None:
+                break  # (checked above, row by row)
             if samples and (type(token) is not int or token < 0):
                 raise ValueError(f"the token sampled for sequence {seq.seq_id} must be a token id (an integer >= 0), "
                                  f"got {token!r}")
@@ -368,7 +376,7 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
     finished = []  # checked everything first: a bad call changes nothing
     self.in_flight.popleft()
     if batch.guesses is not None:
-        return self._record_guesses(batch, sampled_token_ids)
+        return self._record_guesses(batch, sampled_token_ids, logprobs, logprob_ranks)
     for row, ((_, i, position), lp) in enumerate(zip(batch.prompt_logprob_rows, prompt_logprobs or [])):
         seq = batch.seqs[i]
         if position == len(seq.prompt_logprobs):  # subtle: a prompt computed again after a preemption keeps its first record
@@ -461,9 +469,9 @@ def guess(self: Scheduler, seq: Sequence, limit: int) -> list[int]:
 
 @patch
 def _with_guesses(self: Scheduler, batch: ScheduledBatch) -> ScheduledBatch:
-    "A decode batch whose sequences carry guesses where they have some: a verify batch (a prefill of each one's newest token and guesses); `batch` itself where none has, a sequence draws with more than a temperature, top-k, top-p and seed or has a token on its way, or the batch is larger than `disable_by_batch_size`."
+    "A decode batch whose sequences carry guesses where they have some: a verify batch (a prefill of each one's newest token and guesses); `batch` itself where none has, a sequence's draw depends on more than the logits at its position or its token is on its way, or the batch is larger than `disable_by_batch_size`."
     most = self.speculative.disable_by_batch_size
-    if (most is not None and batch.num_seqs > most) or any(s.num_pending or s.plain_draw is None for s in batch.seqs):
+    if (most is not None and batch.num_seqs > most) or any(s.num_pending or not s.draws_by_position for s in batch.seqs):
         return batch
     budget, limits, guesses = self.max_num_batched_tokens - batch.num_batched_tokens, [], []
     for seq in batch.seqs:
@@ -485,10 +493,13 @@ def _with_guesses(self: Scheduler, batch: ScheduledBatch) -> ScheduledBatch:
                           batch.eos_token_ids, samples=[True] * batch.num_seqs, guesses=guesses)
 
 @patch
-def _record_guesses(self: Scheduler, batch: ScheduledBatch, drawn_tokens: list[int]) -> list[Sequence]:
-    "Record a verify step: each sequence keeps the guesses its drawn tokens agree with, then the drawn token after them, up to where it ends; the finished ones."
+def _record_guesses(self: Scheduler, batch: ScheduledBatch, drawn_tokens: list[int],
+                    logprobs: list[dict[int, float] | None] | None = None,
+                    logprob_ranks: list[int | None] | None = None) -> list[Sequence]:
+    "Record a verify step: each sequence keeps the guesses its drawn tokens agree with, then the drawn token after them (each with its row's logprobs, where asked), up to where it ends; the finished ones."
     finished, start, block_size = [], 0, self.block_manager.block_size
     for seq, computed, guesses in zip(batch.seqs, batch.num_computed_tokens, batch.guesses):
+        first = start
         drawn = drawn_tokens[start:start + len(guesses) + 1]  # after its newest token, then after each guess
         start += len(guesses) + 1
         if seq.status is SequenceStatus.FINISHED:
@@ -500,8 +511,11 @@ def _record_guesses(self: Scheduler, batch: ScheduledBatch, drawn_tokens: list[i
         self.num_guessed_tokens += len(guesses)
         self.num_kept_guesses += kept
         seq.num_pending -= 1
-        for token in guesses[:kept] + [drawn[kept]]:
+        for row, token in enumerate(guesses[:kept] + [drawn[kept]], first):
             seq.token_ids.append(token)
+            if seq.logprobs is not None:  # the drawn token's row: the distribution it came from
+                seq.logprobs.append(logprobs[row])
+                seq.logprob_ranks.append(logprob_ranks[row] if logprob_ranks else None)
             if (reason := self._finish_reason(seq)) is not None:  # a stop or its length inside the run: cut there
                 self._finish(seq, reason)
                 finished.append(seq)

@@ -73,13 +73,15 @@ class SamplingInputs:
         return inputs
 
     def on_rows(self, rows: list[int]) -> SamplingInputs:
-        "These plain settings (temperature, top-k, top-p, seed) spread over `rows[i]` rows for sequence i, each row a position on from its sequence's: a verify step's draws (notebook 09)."
-        extra = {f.name for f in fields(self)} - {"temperatures", "top_ks", "top_ps", "seeds", "steps"}
+        "These settings (temperature, top-k, top-p, seed, logprobs) spread over `rows[i]` rows for sequence i, each row a position on from its sequence's: a verify step's draws (notebook 09)."
+        extra = {f.name for f in fields(self)} - {"temperatures", "top_ks", "top_ps", "seeds", "steps", "num_logprobs"}
         if any(getattr(self, name) is not None for name in extra):
-            raise ValueError("only plain draws (temperature, top-k, top-p, seed) spread over a verify step's rows")
-        spread = lambda values: [v for v, n in zip(values, rows) for _ in range(n)]
+            raise ValueError("only draws by position (temperature, top-k, top-p, seed; logprobs) spread over a verify "
+                             "step's rows")
+        spread = lambda values: None if values is None else [v for v, n in zip(values, rows) for _ in range(n)]
         return SamplingInputs(spread(self.temperatures), spread(self.top_ks), spread(self.top_ps), spread(self.seeds),
-                              [step + j for step, n in zip(self.steps, rows) for j in range(n)])
+                              [step + j for step, n in zip(self.steps, rows) for j in range(n)],
+                              num_logprobs=spread(self.num_logprobs))
 
     def constrained(self, logits: torch.Tensor) -> torch.Tensor:
         "The logits with every token a row's constraint leaves out at -inf (structured outputs); what logprobs report."
