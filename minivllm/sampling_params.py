@@ -142,14 +142,9 @@ class SamplingParams:
                              f"its fields), got {type(self.structured_outputs).__name__}")
 
     @property
-    def changes_logits(self) -> bool:
-        "Whether penalties, a logit bias or a constraint change the logits it draws from (by what came before)."
-        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or self.logit_bias is not None or self.structured_outputs is not None)
-
-    @property
     def needs_logits(self) -> bool:
         "Whether sampling needs the whole logits row even when greedy: penalties and constraints change it, logprobs report it."
         # subtle: min_p never removes the most likely token, so it leaves greedy alone; min_tokens changes greedy only
         # while the request is short of it, which the step decides (notebook 09's ScheduledBatch.step_inputs)
-        return self.changes_logits or self.logprobs is not None
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or self.logprobs is not None or self.logit_bias is not None or self.structured_outputs is not None)

@@ -175,14 +175,20 @@ def test_sampled_requests_guess_too_and_seeded_ones_keep_their_tokens(checkpoint
         assert scheduler.num_drafts > 0 and scheduler.num_kept_guesses > 0
 
 
-def test_logprobs_with_guesses_are_those_without(checkpoint):
-    "Seeded requests asking for logprobs guess too: each emitted token's logprobs are its row's, equal to decoding without guesses."
+@pytest.mark.parametrize("extra", ["logprobs", "penalties"])
+def test_logprobs_and_penalties_with_guesses_are_those_without(checkpoint, extra):
+    "Seeded requests asking for logprobs, or with penalties, a bias and min-p, guess too: each row draws after the guesses before it, and each emitted token's logprobs are its row's, as decoding without guesses gives them."
     prompts = repeating_prompts()
-    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=20, ignore_eos=True, logprobs=2) for i in range(len(prompts))]
+    more = {"logprobs": dict(logprobs=2), "penalties": dict(logprobs=1, presence_penalty=0.4, frequency_penalty=0.3,
+                                                            repetition_penalty=1.3, logit_bias={5: 2.0}, min_p=0.05)}
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=20, ignore_eos=True, **more[extra])
+              for i in range(len(prompts))]
     run = lambda llm: llm.generate(prompts, params, use_tqdm=False)
     with LLM(checkpoint, max_model_len=128) as llm:
         expected = run(llm)
     with LLM(checkpoint, max_model_len=128, speculative_config=NGRAM) as llm:
+        if extra == "penalties":  # penalised repeats leave n-gram lookup little: guess the tokens to come instead
+            oracle(llm, prompts, [list(o.outputs[0].token_ids) for o in expected])
         got = run(llm)
         assert llm.llm_engine.scheduler.num_kept_guesses > 0
     for e, g in zip(expected, got):

@@ -94,8 +94,8 @@ class ScheduledBatch:
         new_token_ids = [s.token_ids[c:c + n] for s, c, n in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)]
         if self.guesses is not None:  # after its newest token, the guesses: not in its tokens (yet)
             new_token_ids = [ids + g for ids, g in zip(new_token_ids, self.guesses)]
-            if sampling is not None:  # a draw a row, each at its own position (plain draws only: `_with_guesses`)
-                sampling = sampling.on_rows([1 + len(g) for g in self.guesses])
+            if sampling is not None:  # a draw a row, each at its own position after the guesses before it
+                sampling = sampling.on_rows(self.guesses)
         # a decode whose newest token has not landed: the runner takes it from the step before's sampled tokens
         pending = [(i, s.sample_row) for i, s in enumerate(self.seqs) if s.num_pending]
         for i, _ in pending:
@@ -469,9 +469,9 @@ def guess(self: Scheduler, seq: Sequence, limit: int) -> list[int]:
 
 @patch
 def _with_guesses(self: Scheduler, batch: ScheduledBatch) -> ScheduledBatch:
-    "A decode batch whose sequences carry guesses where they have some: a verify batch (a prefill of each one's newest token and guesses); `batch` itself where none has, a sequence's draw depends on more than the logits at its position or its token is on its way, or the batch is larger than `disable_by_batch_size`."
+    "A decode batch whose sequences carry guesses where they have some: a verify batch (a prefill of each one's newest token and guesses); `batch` itself where none has, a sequence cannot guess (min_tokens, a constraint) or its token is on its way, or the batch is larger than `disable_by_batch_size`."
     most = self.speculative.disable_by_batch_size
-    if (most is not None and batch.num_seqs > most) or any(s.num_pending or not s.draws_by_position for s in batch.seqs):
+    if (most is not None and batch.num_seqs > most) or any(s.num_pending or not s.can_guess for s in batch.seqs):
         return batch
     budget, limits, guesses = self.max_num_batched_tokens - batch.num_batched_tokens, [], []
     for seq in batch.seqs:

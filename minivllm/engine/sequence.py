@@ -39,10 +39,10 @@ class Sequence:
         # reads in one pass (notebook 09); None where it asks for more (penalties, logprobs, min-p, min_tokens, ...)
         self.plain_draw = (None if p.needs_logits or p.min_p > 0 or p.min_tokens
                            else (p.temperature, p.top_k, p.top_p, p.seed))
-        # whether its draw at a position depends on the logits there alone (logprobs only report them), so a verify
-        # step can draw it at several positions at once (notebook 09); not with penalties, a bias, a constraint,
-        # min-p or min_tokens
-        self.draws_by_position = not (p.changes_logits or p.min_p > 0 or p.min_tokens)
+        # whether a verify step can draw it at several positions at once (notebook 09): each row's draw depends on
+        # the logits there and the tokens before it, which the guesses give; not a constraint's, whose state moves
+        # with each token, nor min_tokens' mask, which moves with their count
+        self.can_guess = p.structured_outputs is None and not p.min_tokens
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.table_row: int | None = None  # while it holds blocks: its row of the block tables the ranks keep

@@ -5,7 +5,7 @@
 # %% ../../nbs/08c_step.ipynb #e56fac01
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -72,16 +72,20 @@ class SamplingInputs:
             inputs.num_logprobs = [p.logprobs for p in params]
         return inputs
 
-    def on_rows(self, rows: list[int]) -> SamplingInputs:
-        "These settings (temperature, top-k, top-p, seed, logprobs) spread over `rows[i]` rows for sequence i, each row a position on from its sequence's: a verify step's draws (notebook 09)."
-        extra = {f.name for f in fields(self)} - {"temperatures", "top_ks", "top_ps", "seeds", "steps", "num_logprobs"}
-        if any(getattr(self, name) is not None for name in extra):
-            raise ValueError("only draws by position (temperature, top-k, top-p, seed; logprobs) spread over a verify "
-                             "step's rows")
-        spread = lambda values: None if values is None else [v for v, n in zip(values, rows) for _ in range(n)]
-        return SamplingInputs(spread(self.temperatures), spread(self.top_ks), spread(self.top_ps), spread(self.seeds),
-                              [step + j for step, n in zip(self.steps, rows) for j in range(n)],
-                              num_logprobs=spread(self.num_logprobs))
+    def on_rows(self, guesses: list[list[int]]) -> SamplingInputs:
+        "These settings over a verify step's rows (notebook 09): sequence i's newest token, then each of its `guesses[i]`, a row each, each row a position on from the one before, its tokens so far those before it and the guesses before it."
+        if self.masked_token_ids is not None or self.allowed_tokens is not None or self.prompt_logprob_tokens is not None:
+            raise ValueError("min_tokens, a constraint or prompt logprobs change from one position to the next in ways "
+                             "a verify step's rows do not follow: such a step has no guesses")
+        spread = lambda values: None if values is None else [v for v, g in zip(values, guesses) for _ in range(len(g) + 1)]
+        return SamplingInputs(
+            spread(self.temperatures), spread(self.top_ks), spread(self.top_ps), spread(self.seeds),
+            [step + j for step, g in zip(self.steps, guesses) for j in range(len(g) + 1)],
+            spread(self.presence_penalties), spread(self.frequency_penalties),
+            None if self.output_token_ids is None else [
+                out + g[:j] for out, g in zip(self.output_token_ids, guesses) for j in range(len(g) + 1)],
+            spread(self.num_logprobs), spread(self.min_ps), spread(self.repetition_penalties),
+            spread(self.prompt_token_ids), logit_biases=spread(self.logit_biases))
 
     def constrained(self, logits: torch.Tensor) -> torch.Tensor:
         "The logits with every token a row's constraint leaves out at -inf (structured outputs); what logprobs report."
