@@ -153,7 +153,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.in_flight: deque[ScheduledBatch] = deque()  # scheduled, not yet postprocessed: oldest first
         self.last_was_prefill = True  # whether the last step scheduled was a prefill step
-        # guesses for greedy decode steps (notebook 05c; vLLM's dict, its JSON text or a SpeculativeConfig)
+        # guesses for decode steps (notebook 05c; vLLM's dict, its JSON text or a SpeculativeConfig)
         self.speculative = SpeculativeConfig.parse(speculative)
         # a draft model's guesses for a batch, at most `limits[i]` for sequence i (notebook 11b); None: `guess`'s
         self.proposer = proposer
