@@ -161,12 +161,13 @@ def test_greedy_tokens_with_a_draft_model_equal_greedy_tokens_without(checkpoint
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_sampled_requests_guess_too_and_seeded_ones_keep_their_tokens(checkpoint, tp):
-    "Sampled requests beside a greedy one: each row draws at its own position and a guess is kept where the draw equals it (notebook 05c's rule for a certain guess); a seeded draw depends on its seed and position only, so the tokens are those without guesses."
+    "Sampled requests beside a greedy one (and n = 3): each row draws at its own position and a guess is kept where the draw equals it (notebook 05c's rule for a certain guess); a seeded draw depends on its seed and position only, so the tokens are those without guesses."
     prompts = repeating_prompts()
     params = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=i, max_tokens=30, ignore_eos=True)
               for i in range(len(prompts))]
     params[1] = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    run = lambda llm: [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    params[2] = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=30, ignore_eos=True)  # samples sharing a prompt
+    run = lambda llm: [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
     with LLM(checkpoint, tensor_parallel_size=tp, max_model_len=128) as llm:
         expected = run(llm)
     with LLM(checkpoint, tensor_parallel_size=tp, max_model_len=128, speculative_config=NGRAM) as llm:
