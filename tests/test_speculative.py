@@ -129,9 +129,9 @@ def generate(llm, prompts, params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 4])
 def test_greedy_tokens_with_ngram_speculation_equal_greedy_tokens_without(checkpoint, tp):
-    "n-gram lookup's guesses, checked by the model in verify steps: the same greedy tokens at TP 1 and 2."
+    "n-gram lookup's guesses, checked by the model in verify steps: the same greedy tokens at TP 1, 2 and 4."
     prompts, params = repeating_prompts(), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     with LLM(checkpoint, tensor_parallel_size=tp, max_model_len=128) as llm:
         expected = generate(llm, prompts, params)
