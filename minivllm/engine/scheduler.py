@@ -279,20 +279,7 @@ def _schedule_prefill(self: Scheduler) -> ScheduledBatch | None:
 @patch
 def _schedule_decode(self: Scheduler) -> ScheduledBatch | None:
     "One token for every running sequence (but those whose tokens on their way end them), preempting the newest ones while the cache has no room."
-    bm, seqs = self.block_manager, list(self.running)
-    # the common step first, in a few passes at C speed: every running sequence computes its newest token (at
-    # position num_tokens - 1), and the cache has a free block for each whose table is full, so no one is preempted
-    newest = [len(s.token_ids) + s.num_pending - 1 for s in seqs]
-    full = [(s, n) for s, n in zip(seqs, newest) if n >= len(s.block_table) * bm.block_size]
-    if seqs and sum(bm.blocks_for(n + 1) - len(s.block_table) for s, n in full) <= bm.num_free_blocks and not (
-            self.in_flight and any(s.num_pending and n + 1 >= s.token_limit for s, n in zip(seqs, newest))):
-        for s, n in full:
-            bm.grow(s.block_table, n + 1)
-        return ScheduledBatch(seqs, is_prefill=False, num_computed_tokens=newest, num_new_tokens=[1] * len(seqs),
-                              preempted=[], eos_token_ids=self.eos_token_ids, samples=[True] * len(seqs))
-    # else one by one: a sequence whose tokens on their way end it sits this step out, and one that needs a block
-    # the cache does not have takes it from the newest running sequences (or goes itself)
-    scheduled, computed, kept, preempted, block_size = [], [], [], [], bm.block_size
+    scheduled, computed, kept, preempted, block_size = [], [], [], [], self.block_manager.block_size
     while self.running:
         seq = self.running.popleft()
         num_tokens = seq.num_tokens
