@@ -278,6 +278,23 @@ def _schedule_prefill(self: Scheduler) -> ScheduledBatch | None:
 
 @patch
 def _schedule_decode(self: Scheduler) -> ScheduledBatch | None:
+    "One token for every running sequence: in a few passes where no one has to wait or go, else `_schedule_one_by_one`."
+    bm, seqs = self.block_manager, list(self.running)
+    # the common step: each computes its newest token, at position num_tokens - 1; the cache has a free block for
+    # each whose table is full (once in block_size steps); no token on its way ends a sequence by length
+    newest = [len(s.token_ids) + s.num_pending - 1 for s in seqs]
+    full = [(s, n + 1) for s, n in zip(seqs, newest) if n >= len(s.block_table) * bm.block_size]
+    if (not seqs or sum(bm.blocks_for(n) - len(s.block_table) for s, n in full) > bm.num_free_blocks
+            or (self.in_flight and any(s.num_pending and n + 1 >= s.token_limit for s, n in zip(seqs, newest)))):
+        return self._schedule_one_by_one()
+    for s, n in full:
+        bm.grow(s.block_table, n)
+    # subtle: each sequence computes its newest token, so each samples one
+    return ScheduledBatch(seqs, is_prefill=False, num_computed_tokens=newest, num_new_tokens=[1] * len(seqs),
+                          preempted=[], eos_token_ids=self.eos_token_ids, samples=[True] * len(seqs))
+
+@patch
+def _schedule_one_by_one(self: Scheduler) -> ScheduledBatch | None:
     "One token for every running sequence (but those whose tokens on their way end them), preempting the newest ones while the cache has no room."
     scheduled, computed, kept, preempted, block_size = [], [], [], [], self.block_manager.block_size
     while self.running:
@@ -395,16 +412,16 @@ def postprocess(self: Scheduler, batch: ScheduledBatch, sampled_token_ids: list[
         if not samples:
             continue  # a chunk of a prompt: its logits are not the next token's
         seq.num_pending -= 1
-        seq.token_ids.append(token)
-        if seq.matcher is not None:  # its constraint takes the token: the next step's mask follows from it
-            seq.matcher.consume(token)
+        (token_ids := seq.token_ids).append(token)
+        if (matcher := seq.matcher) is not None:  # its constraint takes the token: the next step's mask follows from it
+            matcher.consume(token)
         if seq.logprobs is not None:
             seq.logprobs.append(logprobs[i])
             seq.logprob_ranks.append(logprob_ranks[i] if logprob_ranks else None)
         # subtle: only EOS, a stop token, the length limit or a constraint ends a sequence: `_finish_reason` decides
         # where one of them could
-        if ((token in eos or token in seq.sampling_params.stop_token_ids or len(seq.token_ids) >= seq.token_limit
-                or seq.matcher is not None) and (reason := self._finish_reason(seq)) is not None):
+        if ((token in eos or token in seq.sampling_params.stop_token_ids or len(token_ids) >= seq.token_limit
+                or matcher is not None) and (reason := self._finish_reason(seq)) is not None):
             self._finish(seq, reason)
             finished.append(seq)
     return finished
@@ -435,18 +452,19 @@ def decode_step_inputs(self: ScheduledBatch, block_size: int) -> StepInputs | No
     n = len(self.seqs)
     input_ids, slots, rows, pending, updates, draws, steps = [0] * n, [0] * n, [0] * n, [], [], [None] * n, [0] * n
     for i, (s, position) in enumerate(zip(self.seqs, self.num_computed_tokens)):
-        table, draws[i] = s.block_table, s.plain_draw  # (temperature, top_k, top_p, seed): notebook 08b
-        if draws[i] is None or s.table_row is None:
+        draw = draws[i] = s.plain_draw  # (temperature, top_k, top_p, seed): notebook 08b
+        row = rows[i] = s.table_row
+        if draw is None or row is None:
             return None  # `step_inputs` writes what it needs
         if s.num_pending:  # its newest token is on its way: the runner takes it from the step before's tokens
             pending.append((i, s.sample_row))
         else:
             input_ids[i] = s.token_ids[position]
         # subtle: notebook 06's `slot_mappings` rule for one position; the test below holds the two equal
+        table = s.block_table
         slots[i] = table[position // block_size] * block_size + position % block_size
-        rows[i] = s.table_row
         if len(table) != s.blocks_on_ranks:
-            updates.append((s.table_row, s.blocks_on_ranks, table[s.blocks_on_ranks:]))
+            updates.append((row, s.blocks_on_ranks, table[s.blocks_on_ranks:]))
         steps[i] = position + 1 - s.num_prompt_tokens  # its tokens, landed or on their way
     temperatures, top_ks, top_ps, seeds = map(list, zip(*draws))
     greedy = max(temperatures) < GREEDY_TEMPERATURE

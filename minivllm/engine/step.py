@@ -188,7 +188,8 @@ def fill_pending(input_ids: torch.Tensor, pending: list[tuple[int, int]] | None,
         return
     if sampled is None:
         raise RuntimeError("this step reads tokens of a step before it, but this runner has sampled none")
-    rows = host_tensor(pending, torch.int64, input_ids.device)
+    # subtle: flattened first: numpy reads a flat list in half the time it takes to find a nested one's shape
+    rows = host_tensor([row for pair in pending for row in pair], torch.int64, input_ids.device).view(-1, 2)
     input_ids[rows[:, 0]] = sampled[rows[:, 1]].to(input_ids.dtype)
 
 class PendingOutput:
