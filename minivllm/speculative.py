@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 # %% auto #0
-__all__ = ['accept_proposals', 'accept_batch', 'expected_tokens_per_step', 'ngram_proposal', 'SpeculativeConfig']
+__all__ = ['GUESS_MEMORY', 'accept_proposals', 'accept_batch', 'expected_tokens_per_step', 'guesses_worth_scoring', 'StepCost',
+           'GuessRecord', 'ngram_proposal', 'SpeculativeConfig']
 
 # %% ../nbs/05c_speculative.ipynb #03f35333
 def accept_proposals(target_probs: torch.Tensor, proposed: Sequence[int], draft_probs: torch.Tensor | None = None,
@@ -80,6 +81,76 @@ def expected_tokens_per_step(acceptance: float, k: int) -> float:
         raise ValueError(f"acceptance must be from 0 to 1 and k at least 0, got {acceptance} and {k}")
     return float(k + 1) if acceptance == 1 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
 
+# %% ../nbs/05c_speculative.ipynb #8edf1960
+def guesses_worth_scoring(acceptance: float, row_cost: float, k: int) -> int:
+    "How many of a sequence's next `k` guesses pay for their rows: the largest `j` with `acceptance**j > row_cost` (guess `j` is kept with probability `acceptance**j`; its row costs `row_cost` of a token's share of the step)."
+    if not 0 <= acceptance <= 1 or row_cost < 0 or k < 0:
+        raise ValueError(f"need an acceptance from 0 to 1, a row cost >= 0 and k >= 0, got {acceptance}, {row_cost}, {k}")
+    j = 0
+    while j < k and acceptance ** (j + 1) > row_cost:
+        j += 1
+    return j
+
+# %% ../nbs/05c_speculative.ipynb #d032794e
+class StepCost:
+    "A step's seconds as `fixed + per_row * rows`, fitted by least squares to the steps recorded, each weighing `memory` times the one after it: what a guess's row costs."
+    def __init__(self, memory: float = 0.98):
+        if not 0 < memory <= 1:
+            raise ValueError(f"memory must be in (0, 1], got {memory}")
+        self.memory, self.sums, self.line = memory, (0.0, 0.0, 0.0, 0.0, 0.0), None  # sums: weight, rows, s, rows², rows*s
+
+    def record(self, rows: int, seconds: float) -> None:
+        "Add a step of `rows` rows that took `seconds`, and refit the line where the rows have varied (a spread of a row or more)."
+        m = self.memory
+        w, x, y, xx, xy = (s * m for s in self.sums)
+        self.sums = w, x, y, xx, xy = w + 1, x + rows, y + seconds, xx + rows * rows, xy + rows * seconds
+        spread = xx / w - (x / w) ** 2  # the rows' weighted variance
+        if w >= 3 and spread >= 1:
+            per_row = (xy / w - x / w * y / w) / spread
+            self.line = (max(y / w - per_row * x / w, 0.0), max(per_row, 0.0))  # (fixed, per_row)
+
+    def row_cost(self, batch: int) -> float:
+        "One more row's seconds over a token's share of a step of `batch` rows (`per_row * batch / T(batch)`); 0 before a line is fitted."
+        if self.line is None:
+            return 0.0
+        fixed, per_row = self.line
+        step = fixed + per_row * batch
+        return per_row * batch / step if step > 0 else 0.0
+
+# %% ../nbs/05c_speculative.ipynb #a167fa88
+GUESS_MEMORY = 0.9  # a sequence's record of its guesses shrinks by this at each step it could guess
+
+@dataclass
+class GuessRecord:
+    "A sequence's guesses, scored and kept (the recent ones weighing most), and its last look not checked: (tokens then, its guesses)."
+    kept: float = 0.0
+    scored: float = 0.0
+    unchecked: tuple[int, list[int]] | None = None
+
+    @property
+    def acceptance(self) -> float:
+        "The chance a guess is kept, by Laplace's rule: 1/2 before any is scored."
+        return (self.kept + 1) / (self.scored + 2)
+
+    def note(self, guesses: Sequence[int], tokens: Sequence[int]) -> int:
+        "Score `guesses` against the `tokens` that came after the same text: each kept up to the first wrong one, that one scored too; how many were kept."
+        kept, scorable = 0, min(len(guesses), len(tokens))
+        while kept < scorable and guesses[kept] == tokens[kept]:
+            kept += 1
+        self.kept, self.scored = self.kept + kept, self.scored + kept + (kept < scorable)
+        return kept
+
+    def forget(self, memory: float = GUESS_MEMORY) -> None:
+        "A step later: what was scored weighs `memory` times as much."
+        self.kept, self.scored = self.kept * memory, self.scored * memory
+
+    def score_lookup(self, token_ids: Sequence[int]) -> None:
+        "Score the last look not checked (if any) against the tokens that have come since."
+        if self.unchecked is not None:
+            start, guesses = self.unchecked
+            self.unchecked = None
+            self.note(guesses, token_ids[start:start + len(guesses)])
+
 # %% ../nbs/05c_speculative.ipynb #29ef298c
 def ngram_proposal(token_ids: Sequence[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:
     "Prompt lookup (vLLM's `ngram`): up to `k` tokens that followed the first earlier occurrence of the longest suffix of `token_ids` of `min_n` to `max_n` tokens; [] where none occurs."
@@ -107,6 +178,8 @@ class SpeculativeConfig:
     method: str = "ngram"  # or "draft_model", with `model`
     disable_by_batch_size: int | None = None  # vLLM's: no guesses in a decode step of more sequences than this
     model: str | None = None  # the draft model's checkpoint (a folder or a hub id), guessing greedily
+    # minivllm's own: only the guesses that pay for their rows (`guesses_worth_scoring`); False: always k, as vLLM
+    adaptive: bool = True
 
     @classmethod
     def parse(cls, config: dict | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -122,7 +195,8 @@ class SpeculativeConfig:
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram', 'num_speculative_tokens': 4}}, "
                              f"got {config!r}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "disable_by_batch_size"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "disable_by_batch_size",
+                 "adaptive"}
         if unknown := sorted(set(config) - known):
             raise ValueError(f"speculative_config has unknown keys {unknown}: it takes {sorted(known)}")
         model = config.get("model")
@@ -145,11 +219,14 @@ class SpeculativeConfig:
         lookup_max, lookup_min = config.get("prompt_lookup_max"), config.get("prompt_lookup_min")
         lookup_max = lookup_min if lookup_max is None else lookup_max  # (vLLM's: one stands for both; neither: 5)
         lookup_min = lookup_max if lookup_min is None else lookup_min
-        batch = config.get("disable_by_batch_size")
+        batch, adaptive = config.get("disable_by_batch_size"), config.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config's adaptive must be true or false, got {adaptive!r}")
         spec = cls(count("num_speculative_tokens", config["num_speculative_tokens"]),
                    count("prompt_lookup_max", 5 if lookup_max is None else lookup_max),
                    count("prompt_lookup_min", 5 if lookup_min is None else lookup_min), method,
-                   disable_by_batch_size=None if batch is None else count("disable_by_batch_size", batch), model=model)
+                   disable_by_batch_size=None if batch is None else count("disable_by_batch_size", batch), model=model,
+                   adaptive=adaptive)
         if spec.prompt_lookup_min > spec.prompt_lookup_max:
             raise ValueError(f"speculative_config's prompt_lookup_min ({spec.prompt_lookup_min}) must be at most its "
                              f"prompt_lookup_max ({spec.prompt_lookup_max})")

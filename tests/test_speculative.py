@@ -109,7 +109,8 @@ def test_greedy_decoding_by_speculative_steps_gives_greedys_tokens(tiny_model, p
 
 # ---------------------------------------------------------------------------------------------- in the engine
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# every guess checked (not only those that pay for their rows, notebook 05c): these tests exercise the verify path
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1, "adaptive": False}
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +142,21 @@ def test_greedy_tokens_with_ngram_speculation_equal_greedy_tokens_without(checkp
         assert scheduler.num_guessed_tokens > 0 and 0 <= scheduler.num_kept_guesses <= scheduler.num_guessed_tokens
 
 
+def test_only_the_guesses_that_pay_are_checked(checkpoint):
+    "By default the engine times its decode and verify steps into the scheduler's step cost and checks only the guesses that pay for their rows (notebook 05c); where a row costs a token's whole share, none; the tokens are the same."
+    prompts, params = repeating_prompts(), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(checkpoint, max_model_len=128) as llm:
+        expected = generate(llm, prompts, params)
+    with LLM(checkpoint, max_model_len=128, speculative_config={**NGRAM, "adaptive": True}) as llm:
+        assert generate(llm, prompts, params) == expected
+        scheduler = llm.llm_engine.scheduler
+        cost, guessed = scheduler.step_cost, scheduler.num_guessed_tokens
+        assert guessed > 0 and cost.sums[0] > 0 and cost.line is not None  # steps timed, a line fitted
+        cost.line, cost.record = (0.0, 1.0), lambda rows, seconds: None  # a row costs a token's share, and stays so
+        assert generate(llm, prompts, params) == expected
+        assert scheduler.num_guessed_tokens == guessed  # no guess checked
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_greedy_tokens_with_a_draft_model_equal_greedy_tokens_without(checkpoint, tmp_path, tp):
     "A draft model's guesses: the target itself keeps every guess, an unrelated model few; the same greedy tokens at TP 1 and 2."
@@ -150,7 +166,7 @@ def test_greedy_tokens_with_a_draft_model_equal_greedy_tokens_without(checkpoint
         expected = generate(llm, prompts, params)
     kept = {}
     for name, draft in (("itself", checkpoint), ("unrelated", unrelated)):
-        spec = {"model": str(draft), "num_speculative_tokens": 4}
+        spec = {"model": str(draft), "num_speculative_tokens": 4, "adaptive": False}
         with LLM(checkpoint, tensor_parallel_size=tp, max_model_len=128, speculative_config=spec) as llm:
             assert generate(llm, prompts, params) == expected
             s = llm.llm_engine.scheduler
@@ -223,7 +239,7 @@ def test_unseeded_sampled_tokens_with_guesses_follow_the_models_distribution(che
     common = list(Counter(t[1:3] for t in plain).most_common(1)[0][0])
     guessed = {}
     for rule in ("the engine's", "keep every guess (wrong)"):
-        with LLM(checkpoint, max_model_len=64, speculative_config={"num_speculative_tokens": 2}) as llm:
+        with LLM(checkpoint, max_model_len=64, speculative_config={"num_speculative_tokens": 2, "adaptive": False}) as llm:
             scheduler = llm.llm_engine.scheduler
             scheduler.guess = lambda seq, limit: common[:limit] if seq.num_completion_tokens == 1 else []
             if rule != "the engine's":

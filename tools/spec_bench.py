@@ -5,9 +5,10 @@ guesses and with them, alternating, `--rounds` times; each line prints both spee
 and the tokens a sequence gained a step. With `--json`, every pair is written for notebook 05c's figure.
 
     python tools/spec_bench.py [--random-shape smollm2-135m | --model PATH] [--batch 1] [--k 1,2,4,6] [--replaced 0,0.2,0.5]
-                               [--max-tokens 128] [--rounds 2] [--dtype float32] [--json spec_bench.json]
+                               [--max-tokens 128] [--rounds 2] [--dtype float32] [--adaptive] [--json spec_bench.json]
 
-A ratio is the pair's own (the two runs back to back); name the CPU (lscpu).
+Every guess is checked (the verify path itself); `--adaptive` checks only the guesses that pay for their rows, as the
+engine does by default (notebook 05c). A ratio is the pair's own (the two runs back to back); name the CPU (lscpu).
 """
 import argparse
 import json
@@ -49,6 +50,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--adaptive", action="store_true", help="check only the guesses that pay (the engine's default)")
     p.add_argument("--json", default=None, help="also write every pair to this file")
     a = p.parse_args(argv)
     ks, shares = [int(k) for k in a.k.split(",")], [float(s) for s in a.replaced.split(",")]
@@ -61,7 +63,8 @@ def main(argv=None) -> int:
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
     kw = dict(dtype=a.dtype, max_model_len=a.prompt_len + a.max_tokens)
     pairs = []
-    with LLM(model, **kw) as plain, LLM(model, speculative_config={"num_speculative_tokens": max(ks)}, **kw) as spec:
+    with LLM(model, **kw) as plain, LLM(
+            model, speculative_config={"num_speculative_tokens": max(ks), "adaptive": a.adaptive}, **kw) as spec:
         expected, _ = timed(plain, prompts, params)
         continuations = {tuple(q): e for q, e in zip(prompts, expected)}
         scheduler = spec.llm_engine.scheduler

@@ -22,7 +22,7 @@ from ..checkpoints import SHAPES, random_checkpoint
 
 # %% auto #0
 __all__ = ['SAMPLE', 'VLLM_SCRIPT', 'SPINNER', 'Result', 'speculation', 'bench_minivllm', 'bench_transformers', 'bench_vllm',
-           'agreement', 'competing_load', 'format_table', 'bench_setting', 'add_arguments', 'run']
+           'agreement', 'competing_load', 'format_table', 'bench_setting', 'vllm_keys', 'add_arguments', 'run']
 
 # %% ../../nbs/14_benchmark.ipynb #9dc9e30a
 @dataclass
@@ -219,6 +219,10 @@ def _non_negative(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
 
+def vllm_keys(speculative_config: dict | None) -> dict | None:
+    "A speculative_config without minivllm's own keys (`adaptive`), which vLLM refuses."
+    return None if speculative_config is None else {k: v for k, v in speculative_config.items() if k != "adaptive"}
+
 def _speculative_config(text: str) -> str:
     from minivllm.speculative import SpeculativeConfig
     try:  # subtle: checked as the options are parsed, as `--vllm-python` is
@@ -284,7 +288,7 @@ def run(a: argparse.Namespace) -> int:
             for engine, tp, n, s in (jobs if rep % 2 == 0 else jobs[::-1]):  # subtle: alternate, so drift hits all alike
                 r = (bench_minivllm(model, workload, tp, a.dtype, num_threads=n, enforce_eager=a.enforce_eager,
                                     speculative_config=s)
-                     if engine == "minivllm" else bench_vllm(a.vllm_python, model, workload, a.dtype, s)
+                     if engine == "minivllm" else bench_vllm(a.vllm_python, model, workload, a.dtype, vllm_keys(s))
                      if engine == "vllm" else bench_transformers(model, workload, a.dtype, n))
                 runs.setdefault(r.label, []).append(r)
                 log(f"run {rep + 1}/{a.repeats}: {r.label}: {r.tokens_per_s:.0f} tok/s")

@@ -175,7 +175,10 @@ def _land(self: LLMEngine, start: float) -> tuple[list[Sequence], dict]:
     "Wait for the oldest launched step's tokens and record them; the sequences it finished, and its stats."
     batch, launched = self.in_flight.popleft()
     finished = self.scheduler.postprocess(batch, *self._guarded(self.ranks.land, launched))
-    return finished, dict(prefill=batch.is_prefill, tokens=batch.num_batched_tokens, seconds=time.perf_counter() - start,
+    seconds = time.perf_counter() - start
+    if self.scheduler.step_cost is not None and (batch.guesses is not None or not batch.is_prefill):
+        self.scheduler.step_cost.record(batch.num_batched_tokens, seconds)  # what a guess's row costs (notebook 05c)
+    return finished, dict(prefill=batch.is_prefill, tokens=batch.num_batched_tokens, seconds=seconds,
                           seq_ids=[s.seq_id for s in batch.seqs], sampled=[s for s, took in zip(batch.seqs, batch.samples) if took])
 
 @patch

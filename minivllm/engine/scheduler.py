@@ -16,7 +16,7 @@ from .sequence import Sequence, SequenceStatus
 from .step import SamplingInputs, StepInputs
 from ..sampler import GREEDY_TEMPERATURE
 from ..sampling_params import SamplingParams
-from ..speculative import SpeculativeConfig
+from ..speculative import SpeculativeConfig, StepCost, guesses_worth_scoring
 from fastcore.basics import patch
 
 # %% auto #0
@@ -157,6 +157,9 @@ class Scheduler:
         self.speculative = SpeculativeConfig.parse(speculative)
         # a draft model's guesses for a batch, at most `limits[i]` for sequence i (notebook 11b); None: `guess`'s
         self.proposer = proposer
+        # what a guess's row costs, from the decode and verify steps the engine records (notebook 05c); None: every
+        # guess is checked (no speculation, or its `adaptive` off)
+        self.step_cost = StepCost() if self.speculative is not None and self.speculative.adaptive else None
         # speculative decoding so far: sequences' steps with guesses, their guesses, and the guesses kept
         self.num_drafts = self.num_guessed_tokens = self.num_kept_guesses = 0
 
@@ -491,15 +494,25 @@ def _with_guesses(self: Scheduler, batch: ScheduledBatch) -> ScheduledBatch:
     most = self.speculative.disable_by_batch_size
     if (most is not None and batch.num_seqs > most) or any(s.num_pending or not s.can_guess for s in batch.seqs):
         return batch
-    budget, limits, guesses = self.max_num_batched_tokens - batch.num_batched_tokens, [], []
+    row_cost = self.step_cost.row_cost(batch.num_seqs) if self.step_cost is not None else 0.0
+    budget, limits, worth, guesses = self.max_num_batched_tokens - batch.num_batched_tokens, [], [], []
     for seq in batch.seqs:
+        record = seq.guess_record
+        record.score_lookup(seq.token_ids)  # its last look that was not checked, against the token that came
+        record.forget()
         # a step emits its kept guesses and one more token, within the sequence's length limit and the step's budget
         limits.append(max(0, min(budget, seq.token_limit - seq.num_tokens - 1, self.speculative.num_speculative_tokens)))
-        budget -= limits[-1]
-    proposed = (self.proposer(batch.seqs, limits) if self.proposer is not None else
+        worth.append(guesses_worth_scoring(record.acceptance, row_cost, limits[-1]))  # those that pay (05c)
+        budget -= worth[-1]
+    # subtle: an n-gram look costs no model, so a sequence looks even where its guesses do not pay, and the token
+    # that comes scores the look: its record follows its text (a draft model's guesses are drawn only where they pay)
+    proposed = (self.proposer(batch.seqs, worth) if self.proposer is not None else
                 [self.guess(seq, limit) if limit else [] for seq, limit in zip(batch.seqs, limits)])
-    for seq, g, limit in zip(batch.seqs, proposed, limits):
-        g = list(g[:limit])
+    for seq, g, n in zip(batch.seqs, proposed, worth):
+        g = list(g)
+        if n == 0 and g:
+            seq.guess_record.unchecked = (seq.num_tokens, g)
+        g = g[:n]
         if g and self.block_manager.can_grow(seq.block_table, seq.num_tokens + len(g)):  # free blocks only
             self.block_manager.grow(seq.block_table, seq.num_tokens + len(g))
         else:
@@ -522,9 +535,7 @@ def _record_guesses(self: Scheduler, batch: ScheduledBatch, drawn_tokens: list[i
         start += len(guesses) + 1
         if seq.status is SequenceStatus.FINISHED:
             continue  # it ended (an abort) after this batch was scheduled
-        kept = 0
-        while kept < len(guesses) and guesses[kept] == drawn[kept]:
-            kept += 1
+        kept = seq.guess_record.note(guesses, drawn)  # each guess up to the first the drawn token differs from
         self.num_drafts += bool(guesses)
         self.num_guessed_tokens += len(guesses)
         self.num_kept_guesses += kept

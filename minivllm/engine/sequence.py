@@ -11,6 +11,7 @@ from enum import Enum
 
 from ..config import check_token_ids
 from ..sampling_params import SamplingParams
+from ..speculative import GuessRecord
 
 # %% auto #0
 __all__ = ['SequenceStatus', 'Sequence']
@@ -43,6 +44,7 @@ class Sequence:
         # the logits there and the tokens before it, which the guesses give; not a constraint's, whose state moves
         # with each token, nor min_tokens' mask, which moves with their count
         self.can_guess = p.structured_outputs is None and not p.min_tokens
+        self.guess_record = GuessRecord()  # how often its guesses are kept: how many a step pays (notebook 05c)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.table_row: int | None = None  # while it holds blocks: its row of the block tables the ranks keep
