@@ -34,7 +34,7 @@ class GraphDraws(NamedTuple):
     "A decode step's per-row settings for the draw inside a graph: temperatures, min-ps, seeds (int64), steps, greedy flags."
     temperatures: list[float]
     min_ps: list[float]
-    seeds: list[int]
+    seeds: list[int] | torch.Tensor  # a CPU tensor where the generator drew every row's
     steps: list[int]
     greedy: list[int]
 
@@ -50,9 +50,12 @@ class GraphDraws(NamedTuple):
                 or s.num_logprobs is not None or s.allowed_tokens is not None
                 or any(0 < k < vocab for k in set(s.top_ks)) or min(s.top_ps, default=1.0) < 1):
             return None
-        drawn = random_seeds(n, "cpu", generator).tolist() if None in s.seeds else None  # on the host: no device read
-        seeds = drawn if s.seeds.count(None) == n else [
-            int64_seed(seed) if seed is not None else drawn[i] for i, seed in enumerate(s.seeds)]
+        drawn = random_seeds(n, "cpu", generator) if None in s.seeds else None  # on the host: no device read
+        if s.seeds.count(None) == n:
+            seeds = drawn  # subtle: kept a tensor, which the staging takes whole (a list of 256 takes 3 times as long)
+        else:
+            drawn = drawn.tolist() if drawn is not None else None
+            seeds = [int64_seed(seed) if seed is not None else drawn[i] for i, seed in enumerate(s.seeds)]
         low, high = min(s.temperatures, default=0.0), max(s.temperatures, default=0.0)
         greedy = ([1] * n if high < GREEDY_TEMPERATURE else [0] * n if low >= GREEDY_TEMPERATURE
                   else [int(t < GREEDY_TEMPERATURE) for t in s.temperatures])
