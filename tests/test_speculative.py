@@ -192,6 +192,20 @@ def test_sampled_requests_guess_too_and_seeded_ones_keep_their_tokens(checkpoint
         assert scheduler.num_drafts > 0 and scheduler.num_kept_guesses > 0
 
 
+def test_requests_short_of_min_tokens_guess_too(checkpoint):
+    "A request short of its min_tokens masks EOS and its stop tokens row by row in a verify step (each row counts the guesses before it): its tokens are those without guesses."
+    prompts = repeating_prompts()
+    with LLM(checkpoint, max_model_len=128) as llm:
+        free = generate(llm, prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        # the 4th token of each is its stop token: min_tokens holds it back for 12 tokens
+        params = [SamplingParams(temperature=0, max_tokens=30, min_tokens=12, stop_token_ids=[out[3]]) for out in free]
+        expected = generate(llm, prompts, params)
+    assert all(len(out) >= 12 for out in expected)
+    with LLM(checkpoint, max_model_len=128, speculative_config=NGRAM) as llm:
+        assert generate(llm, prompts, params) == expected
+        assert llm.llm_engine.scheduler.num_guessed_tokens > 0
+
+
 @pytest.mark.parametrize("extra", ["logprobs", "penalties"])
 def test_logprobs_and_penalties_with_guesses_are_those_without(checkpoint, extra):
     "Seeded requests asking for logprobs, or with penalties, a bias and min-p, guess too: each row draws after the guesses before it, and each emitted token's logprobs are its row's, as decoding without guesses gives them."

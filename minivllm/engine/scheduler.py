@@ -61,17 +61,20 @@ class ScheduledBatch:
         "Tokens the forward pass computes: what `max_num_batched_tokens` limits."
         return sum(self.num_new_tokens)
     def masked_token_ids(self) -> list[list[int]] | None:
-        "Per sequence, the tokens it must not sample now: EOS and its stop tokens while it is short of `min_tokens`; None if no sequence is."
+        "Per sequence (per row of a verify step: each of a sequence's rows draws one token later than the one before), the tokens it must not sample now: EOS and its stop tokens while it is short of `min_tokens`; None if none is."
         if not any(s.sampling_params.min_tokens for s in self.seqs):
             return None  # where most steps end: a cheaper look than the count below
-        # subtle: counted from the batch, not the sequence, which scheduling ahead may have moved on since
-        short = [max(c + n - s.num_prompt_tokens, 0) < s.sampling_params.min_tokens
-                 for s, c, n in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)]
-        if not any(short):
+        # subtle: counted from the batch, not the sequence, which scheduling ahead may have moved on since; row j of
+        # a verify step draws the token after the sequence's newest and j guesses
+        guesses = self.guesses or [()] * len(self.seqs)
+        short = [(s, max(c + n - len(g) + j - s.num_prompt_tokens, 0) < s.sampling_params.min_tokens)
+                 for s, c, n, g in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens, guesses)
+                 for j in range(len(g) + 1)]
+        if not any(is_short for _, is_short in short):
             return None
         # subtle: EOS is held back even with ignore_eos (vLLM does the same): min_tokens means "not before"
         return [sorted(self.eos_token_ids | set(s.sampling_params.stop_token_ids)) if is_short else []
-                for s, is_short in zip(self.seqs, short)]
+                for s, is_short in short]
 
     def table_updates(self) -> tuple[list[int] | None, list[tuple[int, int, list[int]]] | None]:
         "Each sequence's row of the ranks' block tables, and what changed in them since they last heard (`schedule` records that they have); `(None, None)` for sequences the scheduler has not placed (a batch built by hand)."
@@ -89,13 +92,14 @@ class ScheduledBatch:
         # which the LM head's argmax of every rank's shard cannot do
         greedy = all(s.sampling_params.temperature < GREEDY_TEMPERATURE and not s.sampling_params.needs_logits
                      and s.num_completion_tokens >= s.sampling_params.min_tokens for s in self.seqs)
+        masked = None if greedy else self.masked_token_ids()  # (a verify step's: a row's each)
         sampling = None if greedy and not self.prompt_logprob_rows else SamplingInputs.from_seqs(
-            self.seqs, self.masked_token_ids(), self.prompt_logprob_rows)
+            self.seqs, None if self.guesses is not None else masked, self.prompt_logprob_rows)
         new_token_ids = [s.token_ids[c:c + n] for s, c, n in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)]
         if self.guesses is not None:  # after its newest token, the guesses: not in its tokens (yet)
             new_token_ids = [ids + g for ids, g in zip(new_token_ids, self.guesses)]
             if sampling is not None:  # a draw a row, each at its own position after the guesses before it
-                sampling = sampling.on_rows(self.guesses)
+                sampling = sampling.on_rows(self.guesses, masked)
         # a decode whose newest token has not landed: the runner takes it from the step before's sampled tokens
         pending = [(i, s.sample_row) for i, s in enumerate(self.seqs) if s.num_pending]
         for i, _ in pending:

@@ -72,11 +72,11 @@ class SamplingInputs:
             inputs.num_logprobs = [p.logprobs for p in params]
         return inputs
 
-    def on_rows(self, guesses: list[list[int]]) -> SamplingInputs:
-        "These settings over a verify step's rows (notebook 09): sequence i's newest token, then each of its `guesses[i]`, a row each, each row a position on from the one before, its tokens so far those before it and the guesses before it."
+    def on_rows(self, guesses: list[list[int]], masked_token_ids: list[list[int]] | None = None) -> SamplingInputs:
+        "These settings over a verify step's rows (notebook 09): sequence i's newest token, then each of its `guesses[i]`, a row each, each row a position on from the one before, its tokens so far those before it and the guesses before it; min_tokens' `masked_token_ids` a row each, as the batch counts them."
         if self.masked_token_ids is not None or self.allowed_tokens is not None or self.prompt_logprob_tokens is not None:
-            raise ValueError("min_tokens, a constraint or prompt logprobs change from one position to the next in ways "
-                             "a verify step's rows do not follow: such a step has no guesses")
+            raise ValueError("a constraint or prompt logprobs change from one position to the next in ways a verify "
+                             "step's rows do not follow (such a step has no guesses); give min_tokens' mask a row each")
         spread = lambda values: None if values is None else [v for v, g in zip(values, guesses) for _ in range(len(g) + 1)]
         return SamplingInputs(
             spread(self.temperatures), spread(self.top_ks), spread(self.top_ps), spread(self.seeds),
@@ -85,7 +85,7 @@ class SamplingInputs:
             None if self.output_token_ids is None else [
                 out + g[:j] for out, g in zip(self.output_token_ids, guesses) for j in range(len(g) + 1)],
             spread(self.num_logprobs), spread(self.min_ps), spread(self.repetition_penalties),
-            spread(self.prompt_token_ids), logit_biases=spread(self.logit_biases))
+            spread(self.prompt_token_ids), masked_token_ids, logit_biases=spread(self.logit_biases))
 
     def constrained(self, logits: torch.Tensor) -> torch.Tensor:
         "The logits with every token a row's constraint leaves out at -inf (structured outputs); what logprobs report."
