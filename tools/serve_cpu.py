@@ -5,8 +5,9 @@ processes under the server) and of the client (this process).
 
     python tools/serve_cpu.py [--model PATH] [--runs 3] [--step-ms MS] [--py-spy FILE] [--json out.json]
 
-Run it with PYTHONPATH=<worktree> to measure a version (the server runs what this process imports), in alternating
-order against another; name the CPU (lscpu). With py-spy installed, `--py-spy FILE` also records the server's
+Run it with PYTHONPATH=<worktree> to measure a version, in alternating order against another; name the CPU (lscpu).
+The server imports the package this process imports (it prints which): `python -m` would put its working directory
+first, so the server starts with PYTHONSAFEPATH=1 (Python 3.11 and later). With py-spy installed, `--py-spy FILE` also records the server's
 samples where it holds the GIL, for a split by function. A sample is taken where the server holds the GIL, so one
 taken while the engine's threads keep the server off the cores counts too: `--step-ms 20 --model TINY` (a tiny random
 checkpoint, `minivllm.testing.make_chat_checkpoint`) serves at the pace of a bigger model's steps, at no CPU, for a
@@ -14,6 +15,7 @@ split of what the server itself does.
 """
 import argparse
 import asyncio
+import glob
 import json
 import math
 import os
@@ -25,6 +27,7 @@ import sys
 import tempfile
 import time
 
+import minivllm
 from minivllm.bench.serve import descendants, run_clients
 from minivllm.bench.workload import ServerProcess, Workload
 from minivllm.config import Config
@@ -32,10 +35,28 @@ from minivllm.cpu.threads import process_ticks
 from minivllm.model_source import model_folder
 
 
-def ticks(pid: int) -> dict[str, int]:
-    "Clock ticks so far of the server's event loop, of its other threads and of its engine."
-    loop = process_ticks([f"{pid}/task/{pid}"])  # /proc/PID/task/PID: the main thread alone
-    return {"event loop": loop, "other threads": process_ticks([pid]) - loop, "engine": process_ticks(descendants(pid))}
+def task_seconds(pid: int, threads: str = "*") -> float:
+    "Seconds on a CPU so far of a process's threads (`threads`: a glob of thread ids), from the scheduler's nanoseconds."
+    total = 0
+    for path in glob.glob(f"/proc/{pid}/task/{threads}/schedstat"):
+        try:
+            with open(path) as f:
+                total += int(f.read().split()[0])  # nanoseconds run on a CPU (a thread gone meanwhile counts 0)
+        except OSError:
+            pass
+    return total / 1e9
+
+
+def cpu_seconds(pid: int) -> dict[str, float]:
+    "Seconds on a CPU so far of the server's event loop (its main thread), of its other threads and of its engine."
+    if os.path.exists(f"/proc/{pid}/task/{pid}/schedstat"):  # nanoseconds, where clock ticks count hundredths of a second
+        loop = task_seconds(pid, str(pid))
+        return {"event loop": loop, "other threads": task_seconds(pid) - loop,
+                "engine": sum(task_seconds(child) for child in descendants(pid))}
+    hz = os.sysconf("SC_CLK_TCK")
+    loop = process_ticks([f"{pid}/task/{pid}"]) / hz  # /proc/PID/task/PID: the main thread alone
+    return {"event loop": loop, "other threads": process_ticks([pid]) / hz - loop,
+            "engine": process_ticks(descendants(pid)) / hz}
 
 
 # what the API server's code does, by the frames of a sample's stack (the first match from the innermost frame out)
@@ -110,9 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     folder = model_folder(a.model)
     vocab = Config.from_pretrained(folder).vocab_size
     workload = Workload.make(vocab, 64, (128, 128), (a.output_len, a.output_len), 0)
-    hz, rows, spy = os.sysconf("SC_CLK_TCK"), [], None
+    rows, spy = [], None
     with tempfile.TemporaryDirectory() as folder_for_pace:
-        env = paced_env(a.step_ms, folder_for_pace) if a.step_ms else None
+        # subtle: without PYTHONSAFEPATH, `python -m minivllm` would import the package in the working directory
+        env = (paced_env(a.step_ms, folder_for_pace) if a.step_ms else {}) | {"PYTHONSAFEPATH": "1"}
+        print(f"serving the package in {os.path.dirname(os.path.dirname(minivllm.__file__))}", flush=True)
         server = ServerProcess(*(["--model", str(folder)] if a.model else []), env=env)
         try:
             name = "minivllm-default" if a.model is None else str(folder)
@@ -122,13 +145,13 @@ def main(argv: list[str] | None = None) -> int:
                                         "1000", "-f", "raw", "-o", a.py_spy], stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL)
             for i in range(a.runs):
-                before, client = ticks(server.proc.pid), time.process_time()
+                before, client = cpu_seconds(server.proc.pid), time.process_time()
                 timings, seconds = asyncio.run(run_clients(server.url, name, workload.salted(i, vocab), math.inf, 0))
-                after, client = ticks(server.proc.pid), time.process_time() - client
+                after, client = cpu_seconds(server.proc.pid), time.process_time() - client
                 if (failed := next((t.error for t in timings if t.error), None)) is not None:
                     raise RuntimeError(f"a request failed: {failed}")
                 tokens = sum(t.output_tokens for t in timings)
-                row = {k: (after[k] - before[k]) / hz / tokens * 1e6 for k in after} | {"client": client / tokens * 1e6}
+                row = {k: (after[k] - before[k]) / tokens * 1e6 for k in after} | {"client": client / tokens * 1e6}
                 row["tokens_per_s"] = tokens / seconds
                 rows.append(row)
                 print(", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "tokens_per_s")

@@ -10,7 +10,7 @@ import collections
 import functools
 import itertools
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -50,11 +50,21 @@ def merge_deltas(old: RequestOutput, new: RequestOutput) -> RequestOutput:
 
 class _Stream:
     "One request's outputs in its caller's event loop: the deltas not read yet (merged into one), then maybe an error."
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_delta: Callable[[RequestOutput], bool] | None = None):
         self.loop, self.items, self.waiter = loop, collections.deque(), None
+        self.on_delta = on_delta  # the caller's own taker of deltas (see "Deltas taken where they land")
 
     def push(self, item: RequestOutput | BaseException) -> None:
-        "Add `item` (in the loop's thread): a delta joins one not read yet; wake the caller."
+        "Add `item` (in the loop's thread): a delta joins one not read yet; wake the caller, unless its `on_delta` took it."
+        if self.on_delta is not None and self.waiter is not None and not self.waiter.done() and not self.items \
+                and isinstance(item, RequestOutput) and not item.finished:
+            # subtle: only while the caller waits with nothing unread: it holds nothing it has not dealt with, so
+            # what on_delta does with this delta comes after all of that (a server's events stay in order)
+            try:
+                if self.on_delta(item):
+                    return
+            except Exception as e:  # subtle: called for every stream of a step: the failure is this caller's alone
+                self.on_delta, item = None, e
         if self.items and isinstance(item, RequestOutput) and isinstance(self.items[-1], RequestOutput):
             self.items[-1] = merge_deltas(self.items[-1], item)
         else:
@@ -149,9 +159,12 @@ class AsyncLLM:
     # ---- the caller's side (any thread with an asyncio loop)
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, must_fit: bool = False,
-                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt_text: str | None = None,
+                       on_delta: Callable[[RequestOutput], bool] | None = None) -> AsyncIterator[RequestOutput]:
         "Add a request and yield what is new for it after each step, until it finishes; stopping early aborts it."
         # prompt_text: the text that token-id `prompt` was tokenized from (a server tokenizes in threads of its own)
+        # on_delta: called in this loop with each delta that comes while the caller waits for the next; where it
+        # returns True it has dealt with the delta, and the caller is not woken (see "Deltas taken where they land")
         if not self.is_running:
             raise RuntimeError(f"the engine is not running{f' ({self.error})' if self.error else ''}: start a new one")
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -160,7 +173,7 @@ class AsyncLLM:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         # the core's deltas come to it (the output thread), and it makes text of them
         request = Request(request_id, prompt_text if prompt_text is not None else text, ids, params, self.tokenizer, True)
-        stream = _Stream(asyncio.get_running_loop())
+        stream = _Stream(asyncio.get_running_loop(), on_delta)
         with self._lock:
             if self._ended:  # subtle: the engine ended after the check above; nobody would ever answer this stream
                 raise RuntimeError(f"the engine is not running ({self.error or 'it has shut down'}): start a new one")

@@ -20,7 +20,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from pathlib import Path
@@ -50,15 +50,15 @@ from fastcore.basics import patch
 # %% auto #0
 __all__ = ['MAX_REQUEST_BYTES', 'MAX_N', 'MAX_LOGPROBS', 'MAX_COMPLETION_LOGPROBS', 'MAX_PROMPTS_PER_REQUEST',
            'MAX_QUEUED_TOKENS', 'HEALTH_TIMEOUT_S', 'FIRST_OUTPUT_GRACE_S', 'HEADER_TIMEOUT_S', 'BODY_TIMEOUT_S',
-           'MAX_CONNECTIONS', 'SERVE_MAX_NUM_BATCHED_TOKENS', 'StreamOptions', 'SamplingFields', 'CompletionRequest',
-           'ContentPart', 'ChatMessage', 'ChatCompletionRequest', 'TokenizeRequest', 'DetokenizeRequest',
-           'AsciiJSONResponse', 'one_line', 'error_response', 'validation_message', 'is_json_content_type',
-           'http_error_message', 'check_limit', 'BodyLimit', 'raw_response', 'SlowClientGuard', 'guarded_protocol',
-           'longest_token_chars', 'PromptEncoder', 'usage', 'most_likely_first', 'LogprobFormat', 'sse', 'OpenAIReply',
-           'spec_decode_counters', 'EngineCollector', 'GapHistogram', 'ServerMetrics', 'RequestTimer', 'generate_all',
-           'batch_window', 'Overloaded', 'ClientGone', 'EngineUnresponsive', 'served_names', 'OpenAIServer',
-           'until_disconnected', 'chat_messages', 'ApiKeyCheck', 'AnswerFailures', 'build_app', 'bind_socket',
-           'use_chat_template', 'serve']
+           'MAX_CONNECTIONS', 'CHUNKS_KEY', 'SERVE_MAX_NUM_BATCHED_TOKENS', 'StreamOptions', 'SamplingFields',
+           'CompletionRequest', 'ContentPart', 'ChatMessage', 'ChatCompletionRequest', 'TokenizeRequest',
+           'DetokenizeRequest', 'AsciiJSONResponse', 'one_line', 'error_response', 'validation_message',
+           'is_json_content_type', 'http_error_message', 'check_limit', 'BodyLimit', 'raw_response', 'SlowClientGuard',
+           'guarded_protocol', 'longest_token_chars', 'PromptEncoder', 'usage', 'most_likely_first', 'LogprobFormat',
+           'sse', 'OpenAIReply', 'spec_decode_counters', 'EngineCollector', 'GapHistogram', 'ServerMetrics',
+           'RequestTimer', 'generate_all', 'batch_window', 'Overloaded', 'ClientGone', 'EngineUnresponsive',
+           'served_names', 'OpenAIServer', 'ChunkWriter', 'StreamingProtocol', 'EventWriter', 'until_disconnected',
+           'chat_messages', 'ApiKeyCheck', 'AnswerFailures', 'build_app', 'bind_socket', 'use_chat_template', 'serve']
 
 # %% ../../nbs/13c_server.ipynb #ebfbba7b
 # subtle: strict, as OpenAI's API is: "yes" is not a boolean, true is not a token id, 2.5 is not a count
@@ -410,13 +410,13 @@ class SlowClientGuard(HttpToolsProtocol):
         self.transport.close()
 
 def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
-                     max_connections: int = MAX_CONNECTIONS):
-    "uvicorn's `http` for a server: `SlowClientGuard` with these bounds; `ValueError` naming one that is not positive."
+                     max_connections: int = MAX_CONNECTIONS, protocol: type[SlowClientGuard] = SlowClientGuard):
+    "uvicorn's `http` for a server: `protocol` (a `SlowClientGuard`) with these bounds; `ValueError` naming one that is not positive."
     for name, value in (("header_timeout_s", header_timeout_s), ("body_timeout_s", body_timeout_s)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     check_limit("max_connections", max_connections, "connections")
-    return functools.partial(SlowClientGuard, header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
+    return functools.partial(protocol, header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
                              max_connections=max_connections)
 
 # %% ../../nbs/13c_server.ipynb #6791aecc
@@ -754,14 +754,17 @@ class RequestTimer:
 
 # %% ../../nbs/13c_server.ipynb #f9a115e0
 async def generate_all(engine: AsyncLLM, prompts: list, params: SamplingParams, request_id: str,
-                       texts: list[str | None] | None = None, window: int | None = None
+                       texts: list[str | None] | None = None, window: int | None = None,
+                       on_delta: Callable[[RequestOutput], bool] | None = None
                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
     "Run one engine request per prompt, at most `window` in the engine at once (None: all); yield `(prompt index, delta)` as they come. Leaving early aborts them all."
-    # texts: what token-id prompts were tokenized from
+    # texts: what token-id prompts were tokenized from; on_delta: AsyncLLM.generate's, for a request of one prompt
     texts = texts if texts is not None else [None] * len(prompts)
+    if on_delta is not None and len(prompts) != 1:
+        raise ValueError(f"on_delta takes the deltas of one prompt, and this request has {len(prompts)}: pass none")
     if len(prompts) == 1:  # the usual request: the engine's stream itself, without a task and a queue per delta
         async with contextlib.aclosing(engine.generate(prompts[0], params, f"{request_id}-0", must_fit=True,
-                                                       prompt_text=texts[0])) as s:
+                                                       prompt_text=texts[0], on_delta=on_delta)) as s:
             async for delta in s:
                 yield 0, delta
         return
@@ -882,6 +885,53 @@ class OpenAIServer:
                                   "request", param="prompt")
         return None
 
+# %% ../../nbs/13c_server.ipynb #0be51b8f
+CHUNKS_KEY = "minivllm.chunks"  # the ASGI scope's extension holding a request's ChunkWriter (StreamingProtocol's)
+
+class ChunkWriter:
+    "One streamed response's chunks written straight into its connection, as uvicorn's ASGI `send` writes them, without its await."
+    def __init__(self, cycle):
+        self.cycle = cycle  # uvicorn's RequestResponseCycle of the request (its httptools protocol)
+
+    @staticmethod
+    def fits(cycle) -> bool:
+        "Whether `cycle` has what a `ChunkWriter` reads (uvicorn's cycles have, since long before uvicorn 0.30)."
+        return all(hasattr(cycle, a) for a in ("response_started", "response_complete", "chunked_encoding",
+                                               "disconnected", "transport")) and hasattr(getattr(cycle, "flow", None), "write_paused")
+
+    @property
+    def ready(self) -> bool:
+        "Whether uvicorn's `send` would write a chunk at once: the response has begun in chunks, its client is there and reads."
+        c = self.cycle
+        return (c.response_started and c.chunked_encoding and not c.response_complete and not c.disconnected
+                and not c.flow.write_paused)
+
+    def write(self, data: bytes) -> None:
+        "Write `data` (not empty: an empty chunk ends a response) as the response's next chunk."
+        self.cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+class StreamingProtocol(SlowClientGuard):
+    "The server's HTTP protocol: `SlowClientGuard`, whose requests' apps may write their streams' chunks themselves (`ChunkWriter`, in the scope's extensions)."
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()  # subtle: makes the request's cycle and schedules its app, which has not run yet
+        if ChunkWriter.fits(self.cycle):
+            self.scope.setdefault("extensions", {})[CHUNKS_KEY] = ChunkWriter(self.cycle)
+
+# %% ../../nbs/13c_server.ipynb #7fc2918f
+class EventWriter:
+    "A streamed request's `on_delta` (AsyncLLM's): each delta's event written into the connection where it lands, once the stream's first events are out."
+    def __init__(self, chunks: ChunkWriter, reply: OpenAIReply, timer: RequestTimer):
+        self.chunks, self.reply, self.timer = chunks, reply, timer
+        self.started = False  # the route's task has sent the stream's first events: the next ones may be written here
+
+    def __call__(self, delta: RequestOutput) -> bool:
+        "Write `delta`'s event (True), or leave it to the route's task (False): the stream has not started, or its socket cannot take it now."
+        if not (self.started and self.chunks.ready):
+            return False  # subtle: decided before the reply counts the delta, which the task will count instead
+        self.timer.saw(delta)
+        self.chunks.write(self.reply.chunk(0, delta))
+        return True
+
 # %% ../../nbs/13c_server.ipynb #f2cff7e0
 async def until_disconnected(http: HTTPRequest | None, work: Awaitable):
     "What `work` gives; `ClientGone` (and `work` cancelled) if the client of `http` closes its connection first."
@@ -949,7 +999,11 @@ async def respond(self: OpenAIServer, body: SamplingFields, prompts: list[list[i
     "Run the request and answer it whole or as a stream of server-sent events; a client that leaves aborts all of it."
     reply = OpenAIReply(self.model_name, chat, params, len(prompts), self.logprob_format)
     window = max(1, batch_window(self.engine.args.max_num_seqs) // params.n)
-    stream = self.held(generate_all(self.engine, prompts, params, reply.id, texts, window), sum(map(len, prompts)))
+    # a stream of one prompt on the server's own protocol: its events are written where the engine's news lands
+    chunks = http.scope.get("extensions", {}).get(CHUNKS_KEY) if http is not None and body.stream else None
+    writer = EventWriter(chunks, reply, timer) if chunks is not None and len(prompts) == 1 else None
+    stream = self.held(generate_all(self.engine, prompts, params, reply.id, texts, window, writer),
+                       sum(map(len, prompts)))
     async def rest():
         return [x async for x in stream]
     try:  # the first delta comes only once the engine has accepted the prompts: errors are still a 400
@@ -980,6 +1034,8 @@ async def respond(self: OpenAIServer, body: SamplingFields, prompts: list[list[i
             async with contextlib.aclosing(stream):
                 timer.saw(first[1])
                 yield reply.chunk(*first)
+                if writer is not None:  # subtle: resumed once the events above are out: what follows comes after them
+                    writer.started = True
                 async for i, delta in stream:
                     timer.saw(delta)
                     yield reply.chunk(i, delta)
@@ -1259,7 +1315,7 @@ def serve(model: str | Path | None = None, tensor_parallel_size: int = 1, host: 
     check_limit("max_request_bytes", max_request_bytes, "bytes")
     check_limit("max_prompts_per_request", max_prompts_per_request, "prompts")
     check_limit("max_queued_tokens", max_queued_tokens, "tokens")
-    protocol = guarded_protocol(header_timeout_s, body_timeout_s, max_connections)  # checks them
+    protocol = guarded_protocol(header_timeout_s, body_timeout_s, max_connections, StreamingProtocol)  # checks them
     names = served_names(served_model_name or (str(model) if model is not None else DEFAULT_MODEL_NAME))
     engine_kwargs["max_num_batched_tokens"] = max_num_batched_tokens or SERVE_MAX_NUM_BATCHED_TOKENS
     sock, engine, previous = bind_socket(host, port), None, signal.getsignal(signal.SIGTERM)
