@@ -183,8 +183,9 @@ class StopStrings:
 class CompletionText:
     "A completion's text as its tokens come: decoded piece by piece, cut before the first stop string (or after it, `include_stop`)."
     def __init__(self, tokenizer, stop: StopStrings | Iterable[str] = (), include_stop: bool = False,
-                 skip_special_tokens: bool = True):
-        self.detokenizer, self.text = IncrementalDetokenizer(tokenizer, skip_special_tokens), ""
+                 skip_special_tokens: bool = True, streamed: bool = True):
+        # streamed: its text is given out piece by piece (`take`); else it is read whole, at the end
+        self.detokenizer, self.streamed = IncrementalDetokenizer(tokenizer, skip_special_tokens), streamed
         self.stop = stop if isinstance(stop, StopStrings) else StopStrings(stop)  # a request's completions share one
         self.seeks = len(self.stop) > 0  # (looked up once: a streamed token asks it)
         self.include_stop = include_stop
@@ -192,25 +193,56 @@ class CompletionText:
         self.checked = 0  # the stop strings that end in text[:checked] have been looked for
         self.stopped = False  # a stop string was found
         self.stop_string: str | None = None  # the one found (a completion's stop_reason)
+        # subtle: not one string: `text += piece` copies the whole text, a cost per token that grows with its length.
+        # The text is `settled` (pieces, joined only when the whole is read) then `recent`, from character `begin` on:
+        # what has not been given out (`take`) and at least the last `hold` characters, where a stop string may begin
+        self.settled: list[str] = []
+        self.recent, self.begin, self.length, self.given = "", 0, 0, 0
+
+    @property
+    def text(self) -> str:
+        "The whole text so far (joined from its pieces: to read it once, not at every token)."
+        return "".join(self.settled) + self.recent
 
     def add(self, token_ids: list[int], finished: bool = False, look: bool = True) -> bool:
         "Add new tokens (and, `finished`, flush the rest); True once a stop string has ended the text (sought if `look`)."
         if self.stopped:
             return True
-        start = max(0, len(self.text) - self.hold)  # subtle: a stop string may begin in the text held back
-        self.text += self.detokenizer.add(token_ids) + (self.detokenizer.flush() if finished else "")
+        start = max(0, self.length - self.hold)  # subtle: a stop string may begin in the text held back
+        self.recent += self.detokenizer.add(token_ids) + (self.detokenizer.flush() if finished else "")
+        self.length = self.begin + len(self.recent)
         if look and self.seeks:
-            # subtle: only the end positions past `checked`; while `look` was False (min_tokens) none were looked at
-            found, self.checked = self.stop.first(self.text, start, self.checked), len(self.text)
+            # subtle: only the end positions past `checked`; while `look` was False (min_tokens) none were looked at.
+            # `recent` holds the text from `start` on, so the search runs on it, its positions moved by `begin`
+            found = self.stop.first(self.recent, start - self.begin, self.checked - self.begin)
+            self.checked = self.length
             if found is not None:
                 at, length = found
-                self.stop_string = self.text[at:at + length]
-                self.text, self.stopped = self.text[:at + length * self.include_stop], True
+                self.stop_string = self.recent[at:at + length]
+                self.recent, self.stopped = self.recent[:at + length * self.include_stop], True
+                self.length = self.begin + len(self.recent)
+        self._settle()
         return self.stopped
 
     def ready(self, finished: bool) -> int:
         "How much of the text can be given out: all once finished, else all but what might begin a stop string."
-        return len(self.text) if finished or self.stopped else max(0, len(self.text) - self.hold)
+        return self.length if finished or self.stopped else max(0, self.length - self.hold)
+
+    def take(self, finished: bool) -> str:
+        "The text that can be given out now (`ready`) and has not been yet, marked as given."
+        end = self.ready(finished)
+        # subtle: a text not `streamed` settles what it has not given: taking from it reads the whole (slowly)
+        piece = self.recent[self.given - self.begin:end - self.begin] if self.given >= self.begin else self.text[self.given:end]
+        self.given = max(self.given, end)
+        self._settle()
+        return piece
+
+    def _settle(self) -> None:
+        "Move what is given out (or, not `streamed`, anything) before the last `hold` characters from `recent` to the settled pieces."
+        keep = (min(self.given, self.length - self.hold) if self.streamed else self.length - self.hold) - self.begin
+        if keep > 0:
+            self.settled.append(self.recent[:keep])
+            self.recent, self.begin = self.recent[keep:], self.begin + keep
 
 # %% ../nbs/12a_outputs.ipynb #c2d5cd88
 class CompletionDelta(NamedTuple):
@@ -257,10 +289,10 @@ class Request:
         # plain requests decodes each completion once, at the end (the pieces add up to the same text)
         follow = tokenizer is not None and (stream or bool(params.stop))
         stop = StopStrings(params.stop) if follow else None  # indexed once, for all n completions
-        self.texts = [CompletionText(tokenizer, stop, params.include_stop_str_in_output, params.skip_special_tokens)
+        self.texts = [CompletionText(tokenizer, stop, params.include_stop_str_in_output, params.skip_special_tokens, stream)
                       if follow else None for _ in range(n)]
         self.wants_every_delta = stream or follow  # else a completion's tokens may all come at once, with its end
-        self.sent_tokens, self.sent_chars = [0] * n, [0] * n  # per completion: what deltas have given out
+        self.sent_tokens = [0] * n  # per completion: the tokens deltas have given out (its text keeps what it gave)
         self.sent_finish = [False] * n
         self.sent_prompt_logprobs = False
 
@@ -292,10 +324,11 @@ class Request:
         self.stop_reasons[i] = text.stop_string if by_string else delta.stop_reason
         return stopped and reason is None
 
-    def _completion(self, i: int, first_token: int, first_char: int) -> CompletionOutput:
+    def _completion(self, i: int, first_token: int, whole: bool) -> CompletionOutput:
+        "Completion i: whole, or (not `whole`) what is new past its first `first_token` tokens and the text given out."
         text, reason = self.texts[i], self.finish_reasons[i]
         if text is not None:
-            shown = text.text[first_char:text.ready(reason is not None)]
+            shown = text.text[:text.ready(reason is not None)] if whole else text.take(reason is not None)
         elif self.tokenizer is not None:
             shown = (self.tokenizer.decode(self.token_ids[i], skip_special_tokens=self.params.skip_special_tokens)
                      if reason is not None else "")
@@ -308,18 +341,17 @@ class Request:
     def output(self) -> RequestOutput:
         "Everything so far: every completion whole."
         return RequestOutput(self.request_id, self.prompt_text, self.prompt_token_ids,
-                             [self._completion(i, 0, 0) for i in range(len(self.token_ids))], self.is_finished,
+                             [self._completion(i, 0, True) for i in range(len(self.token_ids))], self.is_finished,
                              self.num_cached_tokens, time.perf_counter(), self.prompt_logprobs)
 
     def delta(self) -> RequestOutput | None:
         "What is new since the last delta: the completions with new text, tokens or an end (None if nothing)."
         news = []
         for i in range(len(self.token_ids)):
-            c = self._completion(i, self.sent_tokens[i], self.sent_chars[i])
+            c = self._completion(i, self.sent_tokens[i], False)
             ended = c.finish_reason is not None and not self.sent_finish[i]
             if c.token_ids or c.text or ended:
                 self.sent_tokens[i] += len(c.token_ids)
-                self.sent_chars[i] += len(c.text or "")
                 self.sent_finish[i] = c.finish_reason is not None
                 news.append(c)
         if not news:

@@ -49,14 +49,14 @@ def task_seconds(pid: int, threads: str = "*") -> float:
 
 def cpu_seconds(pid: int) -> dict[str, float]:
     "Seconds on a CPU so far of the server's event loop (its main thread), of its other threads and of its engine."
+    hz = os.sysconf("SC_CLK_TCK")
+    # subtle: the engine in clock ticks, which count its threads that have ended too (the scheduler's counts do not)
+    engine = process_ticks(descendants(pid)) / hz
     if os.path.exists(f"/proc/{pid}/task/{pid}/schedstat"):  # nanoseconds, where clock ticks count hundredths of a second
         loop = task_seconds(pid, str(pid))
-        return {"event loop": loop, "other threads": task_seconds(pid) - loop,
-                "engine": sum(task_seconds(child) for child in descendants(pid))}
-    hz = os.sysconf("SC_CLK_TCK")
+        return {"event loop": loop, "other threads": task_seconds(pid) - loop, "engine": engine}
     loop = process_ticks([f"{pid}/task/{pid}"]) / hz  # /proc/PID/task/PID: the main thread alone
-    return {"event loop": loop, "other threads": process_ticks([pid]) / hz - loop,
-            "engine": process_ticks(descendants(pid)) / hz}
+    return {"event loop": loop, "other threads": process_ticks([pid]) / hz - loop, "engine": engine}
 
 
 # what the API server's code does, by the frames of a sample's stack (the first match from the innermost frame out)
