@@ -221,7 +221,8 @@ class CompletionText:
                 self.stop_string = self.recent[at:at + length]
                 self.recent, self.stopped = self.recent[:at + length * self.include_stop], True
                 self.length = self.begin + len(self.recent)
-        self._settle()
+        if not self.streamed:  # (a streamed text settles as it is taken)
+            self._settle()
         return self.stopped
 
     def ready(self, finished: bool) -> int:

@@ -723,20 +723,17 @@ class RequestTimer:
 
     def saw(self, delta: RequestOutput) -> None:
         "Count a delta's tokens at the time the engine produced them (not when this request's task got to them)."
-        new = sum(len(c.token_ids) for c in delta.outputs)
-        if new:
-            self.first = self.first or delta.time
-            self.last, self.tokens = delta.time, self.tokens + new
-        m = self.metrics
+        now = delta.time
         for c in delta.outputs:
-            if not c.token_ids:
+            if not (new := len(c.token_ids)):
                 continue
+            self.first = self.first or now
+            self.last, self.tokens = now, self.tokens + new
             key = delta.request_id, c.index  # one prompt's completion (a request may hold many prompts)
             if (before := self.latest.get(key)) is not None:
                 # subtle: a delta's time is its first token's: the tokens of the one before share the gap up to it
-                gap, count = (delta.time - before[0]) / before[1], before[1]
-                m.vllm_itl.observe(gap, count)
-            self.latest[key] = delta.time, len(c.token_ids)
+                self.metrics.vllm_itl.observe((now - before[0]) / before[1], before[1])
+            self.latest[key] = now, new
 
     def done(self, finish_reasons: list[str]) -> None:
         m = self.metrics
