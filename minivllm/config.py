@@ -120,11 +120,15 @@ def check_token_ids(token_ids, vocab_size: int | None = None, what: str = "promp
     ids = list(token_ids)
     if not ids:
         raise ValueError(f"the {what} is empty: it needs at least one token")
+    # subtle: the usual list of Python ints (bools are not) is checked at C speed; anything else id by id
+    plain = set(map(type, ids)) == {int}
     # subtle: without a vocabulary, an id must still fit in int64, the type the engine (msgspec, torch) holds it in
-    bad = [t for t in ids if not is_int(t) or (vocab_size is None and not 0 <= t <= INT64_MAX)]
+    fits = plain and (vocab_size is not None or 0 <= min(ids) and max(ids) <= INT64_MAX)
+    bad = [] if fits else [t for t in ids if not is_int(t) or (vocab_size is None and not 0 <= t <= INT64_MAX)]
     if bad:
         raise ValueError(f"the {what} must hold token ids (integers >= 0 that fit in 64 bits), got {bad[:5]!r}")
-    ids = [int(t) for t in ids]  # NumPy and torch integers become Python ints
+    if not plain:
+        ids = [int(t) for t in ids]  # NumPy and torch integers become Python ints
     if vocab_size is not None:
         lo, hi = min(ids), max(ids)
         if lo < 0 or hi >= vocab_size:

@@ -61,8 +61,9 @@ def cpu_seconds(pid: int) -> dict[str, float]:
 
 # what the API server's code does, by the frames of a sample's stack (the first match from the innermost frame out)
 GROUPS = [
-    # (uvicorn 0.54's lines of `RequestResponseCycle.send` that call `transport.write`: another version, other lines)
-    ("socket write (uvicorn)", lambda f: "httptools_impl.py:544" in f or "httptools_impl.py:554" in f),
+    # (uvicorn 0.54's lines of `RequestResponseCycle.send` that call `transport.write`: another version, other lines;
+    # and the server's own write of an event where it lands, notebook 13c's ChunkWriter)
+    ("socket write", lambda f: "httptools_impl.py:544" in f or "httptools_impl.py:554" in f or "ChunkWriter.write" in f),
     ("detokenizing", lambda f: "IncrementalDetokenizer" in f or "tokenization_utils" in f),
     ("metrics (RequestTimer)", lambda f: "RequestTimer" in f or "prometheus" in f or "GapHistogram" in f),
     ("SSE events (OpenAIReply)", lambda f: "OpenAIReply" in f or "sse (minivllm" in f),
