@@ -34,3 +34,11 @@ def test_the_serving_cpu_tool_refuses_bad_options_before_starting_a_server(capsy
         with pytest.raises(SystemExit):
             tool.main(option)
         assert f"argument {option[0]}: must be above 0" in capsys.readouterr().err
+
+
+def test_an_engine_process_that_ends_or_starts_between_readings_counts_nothing():
+    "The engine's CPU between two readings, over the processes in both: one gone or new is left out, never negative."
+    tool = load_tool()
+    before = {"event loop": 1.0, "other threads": 2.0, "engine": {10: 5.0, 11: 3.0}}
+    after = {"event loop": 1.5, "other threads": 2.25, "engine": {10: 6.0, 12: 0.5}}
+    assert tool.spent(before, after) == {"event loop": 0.5, "other threads": 0.25, "engine": 1.0}

@@ -47,16 +47,22 @@ def task_seconds(pid: int, threads: str = "*") -> float:
     return total / 1e9
 
 
-def cpu_seconds(pid: int) -> dict[str, float]:
-    "Seconds on a CPU so far of the server's event loop (its main thread), of its other threads and of its engine."
+def cpu_seconds(pid: int) -> dict:
+    "Seconds on a CPU so far of the server's event loop (its main thread), of its other threads, and of each engine process."
     hz = os.sysconf("SC_CLK_TCK")
     # subtle: the engine in clock ticks, which count its threads that have ended too (the scheduler's counts do not)
-    engine = process_ticks(descendants(pid)) / hz
+    engine = {child: process_ticks([child]) / hz for child in descendants(pid)}
     if os.path.exists(f"/proc/{pid}/task/{pid}/schedstat"):  # nanoseconds, where clock ticks count hundredths of a second
         loop = task_seconds(pid, str(pid))
         return {"event loop": loop, "other threads": task_seconds(pid) - loop, "engine": engine}
     loop = process_ticks([f"{pid}/task/{pid}"]) / hz  # /proc/PID/task/PID: the main thread alone
     return {"event loop": loop, "other threads": process_ticks([pid]) / hz - loop, "engine": engine}
+
+
+def spent(before: dict, after: dict) -> dict[str, float]:
+    "Seconds each part spent between two `cpu_seconds`; the engine's, over the processes in both (one may start or end)."
+    engine = sum(after["engine"][p] - before["engine"][p] for p in after["engine"].keys() & before["engine"].keys())
+    return {k: after[k] - before[k] for k in ("event loop", "other threads")} | {"engine": engine}
 
 
 # what the API server's code does, by the frames of a sample's stack (the first match from the innermost frame out)
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 if (failed := next((t.error for t in timings if t.error), None)) is not None:
                     raise RuntimeError(f"a request failed: {failed}")
                 tokens = sum(t.output_tokens for t in timings)
-                row = {k: (after[k] - before[k]) / tokens * 1e6 for k in after} | {"client": client / tokens * 1e6}
+                row = {k: v / tokens * 1e6 for k, v in spent(before, after).items()} | {"client": client / tokens * 1e6}
                 row["tokens_per_s"] = tokens / seconds
                 rows.append(row)
                 print(", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "tokens_per_s")
