@@ -76,6 +76,34 @@ def test_the_text_is_cut_where_the_find_loop_cuts_it_token_by_token():
     assert 1000 < stopped < 2900  # both kinds of completion are tried
 
 
+def taken_per_token(text, ids: list[int], min_tokens: int, every: int) -> list[tuple[str, bool]]:
+    "What a stream is given (`take`), read after every `every` tokens, each time as the text given so far, and whether it stopped."
+    given, shown = "", []
+    for n, token in enumerate(ids, 1):
+        done = n == len(ids)
+        stopped = text.add([token], finished=done, look=n >= min_tokens)
+        if stopped or done or n % every == 0:
+            given += text.take(done or stopped)
+            shown.append((given, stopped))
+        if stopped:
+            break
+    return shown
+
+
+def test_a_streamed_text_taken_piece_by_piece_is_the_find_loops_text_and_keeps_only_its_end():
+    "`take` at every token or every few (a stream's news): all given so far is the reference's text up to its ready point; only the held-back end stays unsettled."
+    rng = random.Random(2)
+    for _ in range(2000):
+        stop, tokenizer, ids, include_stop, min_tokens = random_case(rng)
+        every = rng.choice([1, 1, 3])
+        ours = CompletionText(tokenizer, stop, include_stop)
+        expected = [(text, stopped) for n, (text, stopped) in enumerate(
+            shown_per_token(FindLoopText(tokenizer, stop, include_stop), ids, min_tokens), 1)
+            if stopped or n == len(ids) or n % every == 0]
+        assert taken_per_token(ours, ids, min_tokens, every) == expected, (stop, ids, every)
+        assert len(ours.recent) <= ours.hold, (ours.recent, ours.hold)
+
+
 def test_completions_that_share_one_index_keep_their_own_place():
     rng = random.Random(1)
     for _ in range(500):
