@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 import json
 import re
 import threading
@@ -191,6 +192,21 @@ class Matcher:
         "Whether the output is finished: it took EOS, nothing can follow, or a token broke the constraint."
         return self.matcher.is_stopped() or self.matcher.is_error()
 
+    def take(self, tokens: list[int]) -> int:
+        "Take the longest start of `tokens` the constraint allows, none past where it ends; how many it took."
+        return self.matcher.try_consume_tokens(tokens)
+
+    def rollback(self, count: int) -> None:
+        "Give back the last `count` tokens taken: its place before them."
+        if count and not self.matcher.rollback(count):
+            raise RuntimeError(f"the constraint could not give back {count} tokens: {self.matcher.get_error()}")
+
+    def allowed_run(self, tokens: list[int]) -> int:
+        "How many of `tokens`, from the first, the constraint would take (a verify step's guesses, notebook 09); its place unchanged."
+        taken = self.take(tokens)
+        self.rollback(taken)
+        return taken
+
     @staticmethod
     def fill(rows: list[tuple[int, Matcher]], bits: torch.Tensor) -> None:
         "Write each `(row, matcher)`'s allowed tokens into its row of `bits` (int32, contiguous), one call a row."
@@ -215,6 +231,23 @@ class XGrammarMatcher(Matcher):
     def is_stopped(self) -> bool:
         "Whether the output is finished: it took EOS, or a token broke the constraint."
         return self.broken or self.matcher.is_terminated()
+
+    def take(self, tokens: list[int]) -> int:
+        "Take the longest start of `tokens` the constraint allows (within its `within`), none past EOS; how many it took."
+        taken = 0
+        for token in tokens:
+            # subtle: asked first, not tried: xgrammar logs a warning for a token after EOS
+            if self.is_stopped or (self.within is not None and not (int(self.within[token >> 5]) >> (token & 31)) & 1):
+                break
+            if not self.matcher.accept_token(token):
+                break
+            taken += 1
+        return taken
+
+    def rollback(self, count: int) -> None:
+        "Give back the last `count` tokens taken: its place before them."
+        if count:
+            self.matcher.rollback(count)
 
     @staticmethod
     def fill(rows: list[tuple[int, Matcher]], bits: torch.Tensor) -> None:
@@ -351,14 +384,29 @@ class Grammars:
         return Matcher(compiled.deep_copy(), self.vocab_size)
 
 # %% ../nbs/05b_structured_outputs.ipynb #58a68a29
-def allowed_tokens(matchers: list[Matcher | None]) -> torch.Tensor | None:
-    "Each row's allowed next tokens as bits, int32 `[rows, ceil(vocab / 32)]` (all ones where the row has no matcher); None if no row has one."
-    rows = [(i, m) for i, m in enumerate(matchers) if m is not None]
-    if not rows:
+def allowed_tokens(matchers: list[Matcher | None], guesses: list[list[int]] | None = None) -> torch.Tensor | None:
+    "Each row's allowed next tokens as bits, int32 `[rows, ceil(vocab / 32)]` (all ones where the row has no matcher); None if no row has one. With `guesses` (a verify step's), matcher i has a row for its place now and one after each of `guesses[i]`, which it must allow (`Matcher.allowed_run`); each is left where it was."
+    present = [(i, m) for i, m in enumerate(matchers) if m is not None]
+    if not present:
         return None
-    bits = torch.full((len(matchers), (rows[0][1].vocab_size + 31) // 32), -1, dtype=torch.int32)
-    for kind in {type(m) for _, m in rows}:  # each backend fills its own rows
-        kind.fill([(i, m) for i, m in rows if type(m) is kind], bits)
+    along = guesses if guesses is not None else [[]] * len(matchers)
+    firsts = list(itertools.accumulate((len(g) + 1 for g in along), initial=0))  # each sequence's first row
+    bits = torch.full((firsts[-1], (present[0][1].vocab_size + 31) // 32), -1, dtype=torch.int32)
+    taken = dict.fromkeys((i for i, _ in present), 0)
+    try:
+        for depth in range(1 + max((len(along[i]) for i, _ in present), default=0)):
+            rows = [(firsts[i] + depth, m) for i, m in present if depth <= len(along[i])]
+            for kind in {type(m) for _, m in rows}:  # each backend fills its own rows
+                kind.fill([(row, m) for row, m in rows if type(m) is kind], bits)
+            for i, m in present:  # then each steps over its guess at this depth, to fill the next row
+                if depth < len(along[i]):
+                    if m.take(along[i][depth:depth + 1]) != 1:
+                        raise ValueError(f"guess {depth} of row {i}, token {along[i][depth]}, is one its constraint "
+                                         "does not allow: cut a sequence's guesses to its `Matcher.allowed_run` first")
+                    taken[i] += 1
+    finally:
+        for i, m in present:  # subtle: even when a guess is refused, every matcher goes back to where it was
+            m.rollback(taken[i])
     return bits
 
 @functools.cache

@@ -85,6 +85,40 @@ def constrained_run(llm, **extra):
     return [(c.token_ids, c.text, c.finish_reason) for out in outs for c in out.outputs]
 
 
+# every guess checked (not only those that pay for their rows, notebook 05c): the verify path itself
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1, "adaptive": False}
+
+
+@pytest.mark.parametrize("backend, tp", [("guidance", 1), ("xgrammar", 1), ("guidance", 2)])
+def test_constrained_requests_guess_and_keep_their_completions(chat_ckpt, backend, tp):
+    "With speculation a constrained request guesses too: its guesses cut where its constraint refuses one, each row masked after the guesses before it, its matcher taking what is kept; the seeded completions (n = 2, logprobs, stop strings) are those without guesses."
+    pytest.importorskip("xgrammar" if backend == "xgrammar" else "llguidance")
+    with LLM(chat_ckpt, max_model_len=256, structured_outputs_backend=backend) as llm:
+        plain = constrained_run(llm)
+        tokenizer = llm.get_tokenizer()
+    control = tokenizer.convert_tokens_to_ids("\u0101")  # the byte 0x01: JSON takes no raw control character
+    letter = tokenizer.encode("a")[0]  # allowed inside a string, refused elsewhere
+    completions = {}
+    for prompt, (token_ids, _, _) in zip([PROMPTS[0], *PROMPTS[1:2] * 2, *PROMPTS[2:5]], plain):
+        completions.setdefault(tuple(tokenizer.encode(prompt)), []).append(list(token_ids))
+    proposed = []
+
+    def guess(seq, limit):  # the completion to come (one of n = 2's), every 5th token refused, every 7th a letter
+        done = seq.completion_token_ids
+        ahead = next(c for c in completions[tuple(seq.prompt_token_ids)] if c[:len(done)] == done)[len(done):][:limit]
+        at = lambda j: len(done) + j
+        g = [control if at(j) % 5 == 3 else letter if at(j) % 7 == 5 else t for j, t in enumerate(ahead)]
+        proposed.append(len(g))
+        return g
+
+    with LLM(chat_ckpt, max_model_len=256, structured_outputs_backend=backend, tensor_parallel_size=tp,
+             speculative_config=NGRAM) as llm:
+        llm.llm_engine.scheduler.guess = guess
+        assert constrained_run(llm) == plain
+        s = llm.llm_engine.scheduler
+    assert 0 < s.num_kept_guesses < s.num_guessed_tokens < sum(proposed)  # kept, drawn otherwise, cut by the constraint
+
+
 @pytest.mark.parametrize("setting", [dict(async_scheduling=True), dict(tensor_parallel_size=2),
                                      dict(max_num_batched_tokens=16, max_num_seqs=3),
                                      dict(num_kvcache_blocks=8, kvcache_block_size=16, max_model_len=128)],

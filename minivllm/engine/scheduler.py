@@ -94,7 +94,7 @@ class ScheduledBatch:
                      and s.num_completion_tokens >= s.sampling_params.min_tokens for s in self.seqs)
         masked = None if greedy else self.masked_token_ids()  # (a verify step's: a row's each)
         sampling = None if greedy and not self.prompt_logprob_rows else SamplingInputs.from_seqs(
-            self.seqs, None if self.guesses is not None else masked, self.prompt_logprob_rows)
+            self.seqs, None if self.guesses is not None else masked, self.prompt_logprob_rows, self.guesses)
         new_token_ids = [s.token_ids[c:c + n] for s, c, n in zip(self.seqs, self.num_computed_tokens, self.num_new_tokens)]
         if self.guesses is not None:  # after its newest token, the guesses: not in its tokens (yet)
             new_token_ids = [ids + g for ids, g in zip(new_token_ids, self.guesses)]
@@ -494,9 +494,9 @@ def guess(self: Scheduler, seq: Sequence, limit: int) -> list[int]:
 
 @patch
 def _with_guesses(self: Scheduler, batch: ScheduledBatch) -> ScheduledBatch:
-    "A decode batch whose sequences carry guesses where they have some: a verify batch (a prefill of each one's newest token and guesses); `batch` itself where none has, a sequence cannot guess (min_tokens, a constraint) or its token is on its way, or the batch is larger than `disable_by_batch_size`."
+    "A decode batch whose sequences carry guesses where they have some: a verify batch (a prefill of each one's newest token and guesses); `batch` itself where none has, a sequence's token is on its way, or the batch is larger than `disable_by_batch_size`."
     most = self.speculative.disable_by_batch_size
-    if (most is not None and batch.num_seqs > most) or any(s.num_pending or not s.can_guess for s in batch.seqs):
+    if (most is not None and batch.num_seqs > most) or any(s.num_pending for s in batch.seqs):
         return batch
     row_cost = self.step_cost.row_cost(batch.num_seqs) if self.step_cost is not None else 0.0
     budget, limits, worth, guesses = self.max_num_batched_tokens - batch.num_batched_tokens, [], [], []
@@ -517,6 +517,8 @@ def _with_guesses(self: Scheduler, batch: ScheduledBatch) -> ScheduledBatch:
         if n == 0 and g:
             seq.guess_record.unchecked = (seq.num_tokens, g)
         g = g[:n]
+        if g and seq.matcher is not None:  # a constraint's: only as far as it allows (a masked draw never equals more)
+            g = g[:seq.matcher.allowed_run(g)]
         if g and self.block_manager.can_grow(seq.block_table, seq.num_tokens + len(g)):  # free blocks only
             self.block_manager.grow(seq.block_table, seq.num_tokens + len(g))
         else:
@@ -546,6 +548,8 @@ def _record_guesses(self: Scheduler, batch: ScheduledBatch, drawn_tokens: list[i
         seq.num_pending -= 1
         for row, token in enumerate(guesses[:kept] + [drawn[kept]], first):
             seq.token_ids.append(token)
+            if seq.matcher is not None:  # its constraint takes each token it keeps (each row's mask followed them)
+                seq.matcher.consume(token)
             if seq.logprobs is not None:  # the drawn token's row: the distribution it came from
                 seq.logprobs.append(logprobs[row])
                 seq.logprob_ranks.append(logprob_ranks[row] if logprob_ranks else None)

@@ -40,10 +40,6 @@ class Sequence:
         # reads in one pass (notebook 09); None where it asks for more (penalties, logprobs, min-p, min_tokens, ...)
         self.plain_draw = (None if p.needs_logits or p.min_p > 0 or p.min_tokens
                            else (p.temperature, p.top_k, p.top_p, p.seed))
-        # whether a verify step can draw it at several positions at once (notebook 09): each row's draw depends on
-        # the logits there and the tokens before it, which the guesses give (min_tokens' mask: their count); not a
-        # constraint's, whose state moves with each token
-        self.can_guess = p.structured_outputs is None
         self.guess_record = GuessRecord()  # how often its guesses are kept: how many a step pays (notebook 05c)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []

@@ -44,13 +44,15 @@ class SamplingInputs:
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], masked_token_ids: list[list[int]] | None = None,
-                  prompt_logprob_rows: list[tuple[int, int, int]] = ()) -> SamplingInputs:
-        "The sampling settings of a step's sequences (its `prompt_logprob_rows`: row, sequence, position); what no sequence uses stays None."
+                  prompt_logprob_rows: list[tuple[int, int, int]] = (),
+                  guesses: list[list[int]] | None = None) -> SamplingInputs:
+        "The sampling settings of a step's sequences (its `prompt_logprob_rows`: row, sequence, position); what no sequence uses stays None. With a verify step's `guesses`, a constraint's masks are already a row each (notebook 05b), for `on_rows`."
         params = [s.sampling_params for s in seqs]
         inputs = cls([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
                      [p.seed for p in params], [s.num_completion_tokens for s in seqs])
         inputs.masked_token_ids = masked_token_ids
-        inputs.allowed_tokens = allowed_tokens([s.matcher for s in seqs]) if any(p.structured_outputs for p in params) else None
+        inputs.allowed_tokens = (allowed_tokens([s.matcher for s in seqs], guesses)
+                                 if any(p.structured_outputs for p in params) else None)
         if prompt_logprob_rows:
             inputs.prompt_logprob_tokens = [seqs[i].token_ids[p] for _, i, p in prompt_logprob_rows]
             inputs.num_prompt_logprobs = [seqs[i].sampling_params.prompt_logprobs for _, i, _ in prompt_logprob_rows]
@@ -73,10 +75,14 @@ class SamplingInputs:
         return inputs
 
     def on_rows(self, guesses: list[list[int]], masked_token_ids: list[list[int]] | None = None) -> SamplingInputs:
-        "These settings over a verify step's rows (notebook 09): sequence i's newest token, then each of its `guesses[i]`, a row each, each row a position on from the one before, its tokens so far those before it and the guesses before it; min_tokens' `masked_token_ids` a row each, as the batch counts them."
-        if self.masked_token_ids is not None or self.allowed_tokens is not None or self.prompt_logprob_tokens is not None:
-            raise ValueError("a constraint or prompt logprobs change from one position to the next in ways a verify "
-                             "step's rows do not follow (such a step has no guesses); give min_tokens' mask a row each")
+        "These settings over a verify step's rows (notebook 09): sequence i's newest token, then each of its `guesses[i]`, a row each, each row a position on from the one before, its tokens so far those before it and the guesses before it; min_tokens' `masked_token_ids` a row each, as the batch counts them, and a constraint's masks a row each, as `from_seqs` made them with the guesses."
+        num_rows = sum(len(g) + 1 for g in guesses)
+        if self.masked_token_ids is not None or self.prompt_logprob_tokens is not None:
+            raise ValueError("prompt logprobs change from one position to the next in ways a verify step's rows do not "
+                             "follow (such a step has no guesses); give min_tokens' mask a row each")
+        if self.allowed_tokens is not None and len(self.allowed_tokens) != num_rows:
+            raise ValueError(f"a constraint's masks must be a row each ({num_rows}), got {len(self.allowed_tokens)}: "
+                             "make the settings with from_seqs(..., guesses=) (notebook 05b's masks along guesses)")
         spread = lambda values: None if values is None else [v for v, g in zip(values, guesses) for _ in range(len(g) + 1)]
         return SamplingInputs(
             spread(self.temperatures), spread(self.top_ks), spread(self.top_ps), spread(self.seeds),
@@ -85,7 +91,8 @@ class SamplingInputs:
             None if self.output_token_ids is None else [
                 out + g[:j] for out, g in zip(self.output_token_ids, guesses) for j in range(len(g) + 1)],
             spread(self.num_logprobs), spread(self.min_ps), spread(self.repetition_penalties),
-            spread(self.prompt_token_ids), masked_token_ids, logit_biases=spread(self.logit_biases))
+            spread(self.prompt_token_ids), masked_token_ids, logit_biases=spread(self.logit_biases),
+            allowed_tokens=self.allowed_tokens)
 
     def constrained(self, logits: torch.Tensor) -> torch.Tensor:
         "The logits with every token a row's constraint leaves out at -inf (structured outputs); what logprobs report."
