@@ -177,7 +177,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 5
     method: str = "ngram"  # or "draft_model", with `model`
     disable_by_batch_size: int | None = None  # vLLM's: no guesses in a decode step of more sequences than this
-    model: str | None = None  # the draft model's checkpoint (a folder or a hub id), guessing greedily
+    model: str | None = None  # the draft model's checkpoint (a folder or a hub id), drawing as each request draws
     # minivllm's own: only the guesses that pay for their rows (`guesses_worth_scoring`); False: always k, as vLLM
     adaptive: bool = True
 

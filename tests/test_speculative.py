@@ -176,6 +176,42 @@ def test_greedy_tokens_with_a_draft_model_equal_greedy_tokens_without(checkpoint
 
 
 @pytest.mark.parametrize("tp", [1, 2])
+def test_a_draft_model_draws_as_its_requests_do(checkpoint, tmp_path, tp):
+    "Sampled requests (seeded, with penalties, min-p and n = 2) with a draft model: the draft draws over its request's noise, so the target itself keeps every guess and an unrelated model few, and both give the tokens drawn without guesses."
+    unrelated = make_tiny_checkpoint(tmp_path / "unrelated", "llama", num_hidden_layers=1, seed=11)
+    prompts = repeating_prompts()
+    params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=i, max_tokens=20, ignore_eos=True,
+                             presence_penalty=0.3, min_p=0.02, n=1 + (i == 2)) for i in range(len(prompts))]
+    run = lambda llm: [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(checkpoint, tensor_parallel_size=tp, max_model_len=128) as llm:
+        expected = run(llm)
+    kept = {}
+    for name, draft in (("itself", checkpoint), ("unrelated", unrelated)):
+        spec = {"model": str(draft), "num_speculative_tokens": 3, "adaptive": False}
+        with LLM(checkpoint, tensor_parallel_size=tp, max_model_len=128, speculative_config=spec) as llm:
+            assert run(llm) == expected
+            s = llm.llm_engine.scheduler
+            kept[name] = s.num_kept_guesses / max(1, s.num_guessed_tokens)
+            assert s.num_guessed_tokens > 0
+    assert kept["itself"] == 1.0 and kept["unrelated"] < 0.5, kept
+
+
+def test_unseeded_draws_with_a_draft_model_follow_the_models_distribution(checkpoint, tmp_path):
+    "800 unseeded draws of one prompt with an unrelated draft model (each request given a seed its draft shares): the first three tokens come as often as without guesses (chi-squared)."
+    unrelated = make_tiny_checkpoint(tmp_path / "unrelated", "llama", num_hidden_layers=1, seed=11)
+    prompt, n = repeating_prompts()[1], 800
+    params = SamplingParams(temperature=0.6, max_tokens=3, ignore_eos=True)
+    run = lambda llm: [tuple(o.outputs[0].token_ids) for o in llm.generate([prompt] * n, params, use_tqdm=False)]
+    with LLM(checkpoint, max_model_len=64) as llm:
+        plain = run(llm)
+    spec = {"model": str(unrelated), "num_speculative_tokens": 2, "adaptive": False}
+    with LLM(checkpoint, max_model_len=64, speculative_config=spec) as llm:
+        guessed = run(llm)
+        assert llm.llm_engine.scheduler.num_kept_guesses > 20
+    assert two_sample_p(Counter(plain), Counter(guessed)) > 1e-3
+
+
+@pytest.mark.parametrize("tp", [1, 2])
 def test_sampled_requests_guess_too_and_seeded_ones_keep_their_tokens(checkpoint, tp):
     "Sampled requests beside a greedy one (and n = 3): each row draws at its own position and a guess is kept where the draw equals it (notebook 05c's rule for a certain guess); a seeded draw depends on its seed and position only, so the tokens are those without guesses."
     prompts = repeating_prompts()

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import functools
+import secrets
 import time
 import weakref
 from collections import deque
@@ -24,6 +25,7 @@ from .scheduler import ScheduledBatch, Scheduler
 from ..speculative import SpeculativeConfig
 from .step import PendingOutput
 from ..sampling_params import SamplingParams
+from ..sampler import GREEDY_TEMPERATURE
 from .sequence import Sequence
 from ..sampling_params import ParamError
 from ..structured_outputs import Grammars, Matcher, StructuredOutputsParams
@@ -34,7 +36,7 @@ if TYPE_CHECKING:  # the channels' types, for the annotations only: the ranks ar
     from minivllm.cluster import GlooCommandChannel
 
 # %% auto #0
-__all__ = ['LLMEngine', 'sample_seed', 'check_params_for_vocab', 'constraint_matchers', 'DraftModel']
+__all__ = ['LLMEngine', 'sample_seed', 'check_params_for_vocab', 'constraint_matchers', 'draft_params', 'DraftModel']
 
 # %% ../../nbs/11b_llm_engine.ipynb #edca0960
 class LLMEngine:
@@ -124,6 +126,8 @@ def add(self: LLMEngine, prompt_token_ids: list[int], sampling_params: SamplingP
     if self.closed:
         raise RuntimeError("this engine is closed: create a new one to add requests")
     prompt_token_ids = check_token_ids(prompt_token_ids, self.config.vocab_size)  # ids inside this model's vocabulary
+    if self.draft is not None:  # a draft draws with its request's noise: a sampled request needs a seed
+        sampling_params = self.draft.seeded(sampling_params)
     seqs = [self.scheduler.add(prompt_token_ids, sampling_params, must_fit=must_fit)]  # checks params, length, room
     params = seqs[0].sampling_params
     try:
@@ -196,8 +200,16 @@ def _guarded(self: LLMEngine, call, *args):
         raise
 
 # %% ../../nbs/11b_llm_engine.ipynb #2de35c5a
+def draft_params(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    "What a draft draws `max_tokens` guesses with: its request's draw (temperature, top-k, top-p, min-p, penalties, bias, seed; min_tokens' mask), ending at its length or a stop token."
+    p = params
+    return SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed,
+                          presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                          repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, min_tokens=p.min_tokens,
+                          stop_token_ids=p.stop_token_ids, max_tokens=max_tokens, ignore_eos=True)
+
 class DraftModel:
-    "A draft model's greedy guesses for a batch of sequences: a checkpoint with the target's vocabulary, run by an engine of its own (its own KV cache, each sequence's text prefix-cached from one step to the next)."
+    "A draft model's guesses for a batch of sequences, drawn as their requests draw: a checkpoint with the target's vocabulary, run by an engine of its own (its own KV cache, each sequence's text prefix-cached from one step to the next)."
     def __init__(self, model: str | Path, vocab_size: int, target: EngineArgs):
         self.engine = LLMEngine(model, tensor_parallel_size=1, dtype=target.dtype, max_model_len=target.max_model_len,
                                 max_num_seqs=target.max_num_seqs, max_num_batched_tokens=target.max_num_batched_tokens,
@@ -210,12 +222,27 @@ class DraftModel:
                              f"the target {vocab_size}: a draft model must share the target's tokenizer")
 
     def __call__(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
-        "At most `limits[i]` greedy guesses of the tokens after `seqs[i]`'s, for all of them in the draft's steps."
-        greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) if n else None for n in limits]
-        drafts = [self.engine.add(seq.token_ids, g)[0] if g else None for seq, g in zip(seqs, greedy)]
+        "At most `limits[i]` guesses of the tokens after `seqs[i]`'s, each drawn as `seqs[i]` draws its own, for all of them in the draft's steps."
+        drafts = []
+        for seq, n in zip(seqs, limits):
+            draft = self.engine.add(seq.token_ids, draft_params(seq.sampling_params, n))[0] if n else None
+            if draft is not None:
+                # subtle: a copy of the target's sequence, prompt and completion so far: its draws' steps (the noise's
+                # keys), its penalties and its min_tokens count the same completion
+                draft.num_prompt_tokens = seq.num_prompt_tokens
+            drafts.append(draft)
         while not self.engine.scheduler.is_finished():
             self.engine.step()
-        return [d.completion_token_ids if d else [] for d in drafts]
+        return [d.token_ids[len(seq.token_ids):] if d else [] for seq, d in zip(seqs, drafts)]
+
+    @staticmethod
+    def seeded(params: SamplingParams | None) -> SamplingParams | None:
+        "`params` with a seed of its own where it samples without one: the draft draws with its request's noise (keyed by seed and step); else `params`."
+        if isinstance(params, SamplingParams | None):
+            params = params if params is not None else SamplingParams()
+            if params.seed is None and params.temperature >= GREEDY_TEMPERATURE:
+                return replace(params, seed=secrets.randbits(63))
+        return params
 
     def close(self) -> None:
         "Stop the draft model's engine. Idempotent."
