@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import functools
-import secrets
+import random
 import time
 import weakref
 from collections import deque
@@ -220,6 +220,7 @@ class DraftModel:
             self.engine.close()
             raise ValueError(f"the draft model {model} has a vocabulary of {self.engine.config.vocab_size} tokens and "
                              f"the target {vocab_size}: a draft model must share the target's tokenizer")
+        self.seeds = random.Random(target.seed)  # unseeded requests' seeds: the same run after run, as their draws
 
     def __call__(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         "At most `limits[i]` guesses of the tokens after `seqs[i]`'s, each drawn as `seqs[i]` draws its own, for all of them in the draft's steps."
@@ -235,13 +236,12 @@ class DraftModel:
             self.engine.step()
         return [d.token_ids[len(seq.token_ids):] if d else [] for seq, d in zip(seqs, drafts)]
 
-    @staticmethod
-    def seeded(params: SamplingParams | None) -> SamplingParams | None:
+    def seeded(self, params: SamplingParams | None) -> SamplingParams | None:
         "`params` with a seed of its own where it samples without one: the draft draws with its request's noise (keyed by seed and step); else `params`."
         if isinstance(params, SamplingParams | None):
             params = params if params is not None else SamplingParams()
             if params.seed is None and params.temperature >= GREEDY_TEMPERATURE:
-                return replace(params, seed=secrets.randbits(63))
+                return replace(params, seed=self.seeds.getrandbits(63))
         return params
 
     def close(self) -> None:
