@@ -30,13 +30,16 @@ from ..attention import cpu_decode_kernel
 from ..kv_cache import (BlockTables, allocate_kv_cache, blocks_for_budget, cpu_kv_cache_budget, cuda_kv_cache_budget,
                                host_tensor, kv_cache_bytes_per_block)
 from ..sampler import Sampler, logprob_table, tokens_and_logprobs
-from ..models import build_model, load_checkpoint
+from ..models import build_model, checkpoint_files, load_checkpoint
+from ..model_source import model_folder
+from ..speculative import SpeculativeConfig
 
 if TYPE_CHECKING:  # subtle: several machines (notebooks 09a, 10a) are imported where they are used, never by one machine's engine
     from minivllm.cluster import ClusterKey
 
 # %% auto #0
-__all__ = ['PROMPT_LOGPROB_ROWS', 'split_step', 'ModelRunner', 'execute_step', 'launch_step']
+__all__ = ['PROMPT_LOGPROB_ROWS', 'split_step', 'ModelRunner', 'draft_footprint', 'share_with_draft', 'execute_step',
+           'launch_step']
 
 # %% ../../nbs/11_model_runner.ipynb #daeb0912
 def split_step(step: StepInputs, parts: int) -> list[StepInputs]:
@@ -229,9 +232,36 @@ def _blocks_from_budget(self: ModelRunner) -> int:
     if a.num_kvcache_blocks is not None:
         return a.num_kvcache_blocks
     useful = a.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
-    budget = (cuda_kv_cache_budget(a.gpu_memory_utilization, self.device) if self.device.type == "cuda"
-              else cpu_kv_cache_budget(a.kv_cache_memory, a.cpu_kv_cache_fraction, a.tensor_parallel_size))
+    if self.device.type == "cuda":
+        # subtle: gpu_memory_utilization is all the engine takes of the card, a draft model's share too (notebook 11b),
+        # which rank 0's card holds; every rank leaves it, and the ranks take the smallest count anyway
+        budget = share_with_draft(cuda_kv_cache_budget(a.gpu_memory_utilization, self.device),
+                                  self.bytes_per_block // self.block_size, draft_footprint(a))
+    else:  # (a CPU's budget is a share of the memory available: a draft model built after takes its own of the rest)
+        budget = cpu_kv_cache_budget(a.kv_cache_memory, a.cpu_kv_cache_fraction, a.tensor_parallel_size)
     return blocks_for_budget(budget, self.bytes_per_block, useful)
+
+def draft_footprint(args: EngineArgs) -> tuple[int, int] | None:
+    "A draft model's bytes beside the target (notebook 11b): its KV cache's a token and its weights', in the target's dtype; None where `args` name none."
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if spec is None or spec.model is None:
+        return None
+    from safetensors import safe_open
+    folder = model_folder(spec.model)
+    c = Config.from_pretrained(folder, dtype=args.dtype)  # (the draft runs at one rank, in the target's dtype)
+    numel = 0
+    for file in checkpoint_files(folder):
+        with safe_open(file, framework="pt") as f:
+            numel += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    per_token = kv_cache_bytes_per_block(c.num_hidden_layers, 1, c.num_kv_heads_per_rank, c.head_dim, c.dtype)
+    return per_token, numel * c.dtype.itemsize
+
+def share_with_draft(budget: int, bytes_per_token: int, draft: tuple[int, int] | None) -> int:
+    "The target's part of a KV-cache `budget` that a draft model (`draft_footprint`) shares: the draft's weights out, the rest split so that both caches hold as many tokens."
+    if draft is None:
+        return budget
+    draft_per_token, draft_weights = draft
+    return max(0, budget - draft_weights) * bytes_per_token // (bytes_per_token + draft_per_token)
 
 @patch
 def _agree_on_blocks(self: ModelRunner, num_blocks: int) -> int:
