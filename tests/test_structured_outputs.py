@@ -119,6 +119,17 @@ def test_constrained_requests_guess_and_keep_their_completions(chat_ckpt, backen
     assert 0 < s.num_kept_guesses < s.num_guessed_tokens < sum(proposed)  # kept, drawn otherwise, cut by the constraint
 
 
+@pytest.mark.parametrize("guesses", ["ngram", "draft model"])
+def test_constrained_requests_guess_from_their_text_or_a_draft_model(chat_ckpt, guesses):
+    "n-gram lookup's guesses, or a draft model's (the target itself, which knows nothing of the constraint): the same completions as without guesses."
+    with LLM(chat_ckpt, max_model_len=256) as llm:
+        plain = constrained_run(llm)
+    spec = NGRAM if guesses == "ngram" else {"model": str(chat_ckpt), "num_speculative_tokens": 3, "adaptive": False}
+    with LLM(chat_ckpt, max_model_len=256, speculative_config=spec) as llm:
+        assert constrained_run(llm) == plain
+        assert llm.llm_engine.scheduler.num_kept_guesses > 0
+
+
 @pytest.mark.parametrize("setting", [dict(async_scheduling=True), dict(tensor_parallel_size=2),
                                      dict(max_num_batched_tokens=16, max_num_seqs=3),
                                      dict(num_kvcache_blocks=8, kvcache_block_size=16, max_model_len=128)],
