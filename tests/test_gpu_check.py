@@ -55,14 +55,15 @@ def test_the_quick_check_runs_dry_on_the_cpu_and_writes_its_table_and_json(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["check.json"]  # nothing else left in the working folder
     checks = rows_of(run.stdout)
     assert checks[:5] == ["preflight", "device", "copy bandwidth", "cuda tests", "attention backend"], checks
-    assert sum(c.startswith("greedy vs transformers") for c in checks) == 4  # 2 models x 2 dtypes (eager on the CPU)
+    assert sum(c.startswith("greedy vs transformers") for c in checks) == 5  # 2 models x 2 dtypes (eager on the CPU)
+    assert "greedy vs transformers: qwen3 float32, its own draft model" in checks  # and speculative decoding
     assert {"workload (6 requests), eager", "decode at batch 1", "decode at batch 4", "decode step at batch 4, profiled",
             *(f"decode step at batch 4: {part}" for part in ("attention", "other ops", "sampler", "host")),
             "compile report", "step seconds"} <= set(checks), checks
     assert "transformers batched generate (4 requests)" not in checks  # --quick leaves it out (the full check's)
     results = json.loads(out.read_text())
     assert set(results) == {"mode", "dry_run", "preflight", "environment", "attention_backend", "cuda_tests",
-                            "greedy_equivalence", "workload", "decode", "profile", "compile_report", "steps", "total_s",
+                            "greedy_equivalence", "speculative", "workload", "decode", "profile", "compile_report", "steps", "total_s",
                             "budget_s", "over_budget", "errors"}
     assert results["errors"] == {} and run.stderr.count("Traceback") == 0
     assert (results["mode"], results["dry_run"], results["preflight"]["missing"]) == ("quick", True, [])
@@ -70,6 +71,9 @@ def test_the_quick_check_runs_dry_on_the_cpu_and_writes_its_table_and_json(tmp_p
                                          skipped_because="dry run: no GPU")
     float32 = [r for r in results["greedy_equivalence"] if r["dtype"] == "float32"]
     assert all(r["equal"] == r["prompts"] == 13 and r["parts"] == [] for r in float32), float32  # float32: exactly
+    spec = results["speculative"]
+    assert spec["equal"] == spec["prompts"] and spec["kept"] == spec["guessed"] > 0, spec  # its own draft: every guess
+    assert spec["target_blocks"] > 0 and spec["draft_blocks"] > 0
     [workload] = results["workload"]
     assert workload["output_tokens"] == Workload.nano_vllm(6, 110, 104).output_tokens and not workload["graphs"]
     assert workload["warm_up_prefix_hit_tokens"] > 0  # the warm-up ran a prefill over a cached prefix

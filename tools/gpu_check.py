@@ -12,7 +12,9 @@ Then: the card, driver, torch, triton, transformers and flash-attn; the card's m
 files (`GPU_TEST_FILES`, named by file) in a child pytest that is killed at its budget; greedy tokens against
 transformers on the same device (tiny Qwen3 and Llama, float32 and bfloat16; where a prompt's tokens part,
 transformers' own logit gap between its token and ours at the first difference: a near tie that kernels' different
-sums may break either way); nano-vllm's benchmark workload (a Qwen3-0.6B-shaped random model in bfloat16, 256
+sums may break either way); the tiny Qwen3 with itself as its draft model (speculative decoding: the draft's engine
+beside the target's on one card, in its share of gpu_memory_utilization; greedy tokens against transformers', every
+guess kept); nano-vllm's benchmark workload (a Qwen3-0.6B-shaped random model in bfloat16, 256
 requests, prompt and output lengths uniform in 100..1024 drawn as its bench.py draws them, temperature 0.6,
 ignore_eos, max_model_len 4096) beside its bandwidth ceiling (each decode step's weights and keys and values over
 the measured copy bandwidth: notebook 14c's `bandwidth_ceiling`); decode tokens/s at batch 1, 16, 64 and 256 beside
@@ -29,7 +31,8 @@ How --quick fits 4 minutes (budgets in `plan_for`; seconds measured on an H200 w
     the making of the workload's 0.6B checkpoint, which run meanwhile, 90 s saw 302 of them;
   greedy 35 s (19-34 s): 8 prompts of 16 tokens, CUDA graphs only (the engine's normal path; the full check adds
     eager and 13 prompts of 32 tokens);
-  workload 25 s (12-13 s): all 256 requests, CUDA graphs only (the full check adds eager, and transformers' batched
+  speculative 10 s (not yet measured on a GPU): two engines' start (the target's and its draft's) and 8 prompts;
+  workload 15 s (12-13 s): all 256 requests, CUDA graphs only (the full check adds eager, and transformers' batched
     generate on a 64-request slice): the engine's start and warm-up, then 133,966 tokens in 6.2-6.3 s;
   decode rates 20 s (5 s with CUDA graphs, plus an eager engine at batches 1 and 16) and the profiled step 5 s
     (1 s); preflight, imports, environment, the checkpoint and the compile report's wait 25 s (7-8 s when the tests
@@ -106,18 +109,18 @@ class Plan:
 def plan_for(quick: bool, dry_run: bool) -> Plan:
     "The plan of a run: --quick or the full check, on a GPU or dry on the CPU."
     if dry_run:  # every step at a size the CPU does in seconds; greedy as large as the full check's (float32 is exact)
-        budgets = dict(preflight=1, imports=20, environment=5, tests=1, model=10, greedy=40, workload=20, decode=20,
-                       profile=15, compile_report=90) | ({} if quick else dict(transformers_slice=30))
+        budgets = dict(preflight=1, imports=20, environment=5, tests=1, model=10, greedy=40, speculative=20, workload=20,
+                       decode=20, profile=15, compile_report=90) | ({} if quick else dict(transformers_slice=30))
         return Plan(greedy_prompts=13, greedy_tokens=8, greedy_eager=False, workload_eager=False,
                     transformers_slice=0 if quick else 4, batches=(1, 4), context=32, steps=8, max_model_len=256,
                     copy_mib=64, compile_report_timeout_s=90, budgets=budgets)
     if quick:  # see the module's docstring for how these fit 4 minutes
-        budgets = dict(preflight=1, imports=10, environment=5, tests=130, model=5, greedy=35, workload=25, decode=20,
-                       profile=5, compile_report=4)
+        budgets = dict(preflight=1, imports=10, environment=5, tests=130, model=5, greedy=35, speculative=10, workload=15,
+                       decode=20, profile=5, compile_report=4)
         return Plan(greedy_prompts=8, greedy_tokens=16, greedy_eager=False, workload_eager=False, transformers_slice=0,
                     batches=(1, 16, 64, 256), context=512, steps=64, max_model_len=4096, copy_mib=1024,
                     compile_report_timeout_s=150, budgets=budgets)
-    budgets = dict(preflight=1, imports=6, environment=8, tests=300, model=10, greedy=90, workload=300,
+    budgets = dict(preflight=1, imports=6, environment=8, tests=300, model=10, greedy=90, speculative=20, workload=300,
                    transformers_slice=150, decode=40, profile=10, compile_report=30)
     return Plan(greedy_prompts=13, greedy_tokens=32, greedy_eager=True, workload_eager=True, transformers_slice=64,
                 batches=(1, 16, 64, 256), context=512, steps=64, max_model_len=4096, copy_mib=1024,
@@ -542,6 +545,29 @@ def greedy_equivalence(folder: Path, device: torch.device, new_tokens: int, back
     return rows
 
 
+def speculative_equivalence(folder: Path, device: torch.device, new_tokens: int, backend: str | None = None,
+                            num_prompts: int = 8) -> dict:
+    "The tiny Qwen3 in float32 with itself as its draft model: how many prompts' greedy tokens equal transformers', the guesses kept, and both engines' KV-cache blocks (on a GPU the draft's share of one card)."
+    import torch
+    from minivllm import LLM, SamplingParams
+    from minivllm.checkpoints import make_tiny_checkpoint
+    kw = dict(TINY["qwen3"])
+    path = make_tiny_checkpoint(folder / "speculative-qwen3", kw.pop("model_type"), **kw)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, kw["vocab_size"], (n,), generator=g).tolist()
+               for n in torch.randint(3, 60, (num_prompts,), generator=g).tolist()]
+    reference = hf_greedy_on(path, prompts, new_tokens, torch.float32, device)
+    spec = {"model": str(path), "num_speculative_tokens": 3, "adaptive": False}  # every guess checked
+    with LLM(path, dtype="float32", device=device.type, max_model_len=256, max_num_seqs=16, attention_backend=backend,
+             speculative_config=spec) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
+                            use_tqdm=False)
+        engine = llm.llm_engine
+        s, blocks = engine.scheduler, (engine.runner.num_blocks, engine.draft.engine.runner.num_blocks)
+    return dict(equal=sum(o.token_ids == r for o, r in zip(outs, reference)), prompts=len(prompts),
+                guessed=s.num_guessed_tokens, kept=s.num_kept_guesses, target_blocks=blocks[0], draft_blocks=blocks[1])
+
+
 def eager_settings(device: torch.device, eager_too: bool) -> tuple[bool, ...]:
     "The enforce_eager settings to run: CUDA graphs (and eager too, if asked) on a GPU; eager, the only way, on the CPU."
     return ((False, True) if eager_too else (False,)) if device.type == "cuda" else (True,)
@@ -770,6 +796,10 @@ def table(results: dict) -> str:
         add(f"greedy vs transformers: {r['model']} {r['dtype']}, {'graphs' if r['graphs'] else 'eager'}"
             f"{', scheduled ahead' if r.get('ahead') else ''}",
             f"{r['equal']}/{r['prompts']}", f"where they part, transformers' own logit gap: {gaps}" if gaps else "")
+    if r := results.get("speculative"):
+        add("greedy vs transformers: qwen3 float32, its own draft model", f"{r['equal']}/{r['prompts']}",
+            f"{r['kept']} of {r['guessed']} guesses kept; KV-cache blocks: target {r['target_blocks']}, draft "
+            f"{r['draft_blocks']}")
     for r in results.get("workload", []):
         add(f"workload ({r['requests']} requests), {'graphs' if r['graphs'] else 'eager'}"
             f"{', scheduled ahead' if r.get('ahead') else ''}",
@@ -910,6 +940,9 @@ def main(argv: list[str] | None = None) -> int:
         with clock.step("greedy", "greedy tokens against transformers"):
             results["greedy_equivalence"] = greedy_equivalence(tmp, device, plan.greedy_tokens, a.attention_backend,
                                                                plan.greedy_prompts, plan.greedy_eager)
+        save()
+        with clock.step("speculative", "a draft model beside the target: greedy tokens against transformers"):
+            results["speculative"] = speculative_equivalence(tmp, device, plan.greedy_tokens, a.attention_backend)
         save()
         if model is not None:  # else the model step's error says why the rest is missing
             with clock.step("workload", f"nano-vllm's workload, {len(workload.prompts)} requests"):
