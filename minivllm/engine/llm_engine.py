@@ -215,7 +215,9 @@ class DraftModel:
                                 max_num_seqs=target.max_num_seqs, max_num_batched_tokens=target.max_num_batched_tokens,
                                 kvcache_block_size=target.kvcache_block_size, enforce_eager=target.enforce_eager,
                                 device=target.device, num_threads=target.num_threads, async_scheduling=False,
-                                attention_backend=target.attention_backend)
+                                attention_backend=target.attention_backend,
+                                # subtle: on a GPU the target left room under this for the draft (notebook 11)
+                                gpu_memory_utilization=target.gpu_memory_utilization)
         if self.engine.config.vocab_size != vocab_size:
             self.engine.close()
             raise ValueError(f"the draft model {model} has a vocabulary of {self.engine.config.vocab_size} tokens and "
