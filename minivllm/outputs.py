@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import time
 from dataclasses import dataclass
 from operator import itemgetter
@@ -20,9 +21,9 @@ if TYPE_CHECKING:  # for the annotations only: a sequence is read here, never ma
     from minivllm.engine.sequence import Sequence
 
 # %% auto #0
-__all__ = ['Logprob', 'CompletionOutput', 'RequestOutput', 'vllm_logprobs', 'load_tokenizer', 'text_decoder',
-           'IncrementalDetokenizer', 'StopStrings', 'CompletionText', 'CompletionDelta', 'sequence_delta', 'Request',
-           'encode_prompt', 'check_params_for_tokenizer']
+__all__ = ['Logprob', 'CompletionOutput', 'RequestOutput', 'vllm_logprobs', 'load_tokenizer', 'rust_tokenizer', 'text_decoder',
+           'rust_stream', 'IncrementalDetokenizer', 'StopStrings', 'CompletionText', 'CompletionDelta',
+           'sequence_delta', 'Request', 'encode_prompt', 'check_params_for_tokenizer']
 
 # %% ../nbs/12a_outputs.ipynb #23843fa7
 @dataclass
@@ -110,14 +111,23 @@ def load_tokenizer(path: Path):
     return tokenizer
 
 # %% ../nbs/12a_outputs.ipynb #f7f8de9d
-def text_decoder(tokenizer, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
-    "`ids -> text`, equal to `tokenizer.decode`: the Rust tokenizer's own decode where transformers adds nothing to it."
+def rust_tokenizer(tokenizer):
+    "The Rust tokenizer under a transformers one where its decode is all of transformers' (no clean-up of spaces after it); else None."
     backend = getattr(tokenizer, "_tokenizer", None)
     # subtle: transformers' decode is the Rust one plus its Python around it (2.8 us against 0.8 a call), unless it
-    # cleans up spaces after it; the streaming path decodes twice a token, so a server pays that per token
-    if type(backend).__module__.startswith("tokenizers") and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
-    return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+    # cleans up spaces after it; the streaming path decodes at every token, so a server pays that per token
+    clean = getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    return backend if type(backend).__module__.startswith("tokenizers") and not clean else None
+
+def text_decoder(tokenizer, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+    "`ids -> text`, equal to `tokenizer.decode`: the Rust tokenizer's own decode where transformers adds nothing to it."
+    return functools.partial((rust_tokenizer(tokenizer) or tokenizer).decode, skip_special_tokens=skip_special_tokens)
+
+def rust_stream(tokenizer, skip_special_tokens: bool = True) -> Callable[[list[int]], str | None] | None:
+    "tokenizers' own incremental decode (`DecodeStream`, vLLM's fast path) as `ids -> the text they add, or None while a character is incomplete`: `IncrementalDetokenizer`'s window kept in Rust; None where the tokenizer has no Rust decode of its own, or tokenizers no stream."
+    backend = rust_tokenizer(tokenizer)
+    stream = getattr(importlib.import_module("tokenizers.decoders"), "DecodeStream", None) if backend else None
+    return None if stream is None else functools.partial(stream(skip_special_tokens=skip_special_tokens).step, backend)
 
 class IncrementalDetokenizer:
     "The text of a growing list of token ids, a new piece per call, decoding only the last few tokens."
@@ -125,10 +135,20 @@ class IncrementalDetokenizer:
         self.tokenizer, self.token_ids, self.skip_special_tokens = tokenizer, [], skip_special_tokens
         self.prefix = self.read = 0  # ids[prefix:read] were decoded last time; ids[read:] are new
         self._decode = text_decoder(tokenizer, skip_special_tokens)
+        self._stream = rust_stream(tokenizer, skip_special_tokens)  # the same window kept in Rust, where it can be
 
     def add(self, token_ids: list[int]) -> str:
         "The text that `token_ids` add (possibly empty: a character still incomplete)."
         self.token_ids.extend(token_ids)
+        if self._stream is not None and token_ids:
+            try:
+                piece = self._stream(token_ids)
+            except Exception:  # subtle: a decoder whose text is not prefix-stable, an older tokenizers: Python's window
+                self._stream = None  # from here on, which starts where the Rust one last gave a piece
+            else:
+                if piece is not None:
+                    self.prefix, self.read = self.read, len(self.token_ids)
+                return piece or ""
         before, now = self._decode(self.token_ids[self.prefix:self.read]), self._decode(self.token_ids[self.prefix:])
         if len(now) <= len(before) or now.endswith("\ufffd"):
             return ""
@@ -140,6 +160,7 @@ class IncrementalDetokenizer:
         rest = self._decode(self.token_ids[self.prefix:])[len(self._decode(self.token_ids[self.prefix:self.read])):]
         self.prefix = self.read = len(self.token_ids)
         return rest
+
 
 # %% ../nbs/12a_outputs.ipynb #a8b30c54
 class StopStrings:
