@@ -174,3 +174,27 @@ def test_graph_replay_draws_eager_seeded_tokens_on_cuda(tmp_path):
             assert (llm.llm_engine.runner.graphs is None) == eager
             outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert outs[0] == outs[1]
+
+
+@needs_cuda
+def test_verify_steps_replay_decode_graphs_on_cuda(tmp_path):
+    "Speculative decoding's verify steps (n-gram lookup, k = 3) replay the decode graphs as decode steps of a row a token: in float32, greedy and seeded sampled tokens equal eager verify steps' and decoding's without guesses."
+    path = make_tiny_checkpoint(tmp_path, "qwen3", dtype="float32")
+    prompts = [(p * 3)[:400] for p in seeded_prompts(Config.from_pretrained(path).vocab_size)]  # repeats: n-gram lookup guesses
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=32, ignore_eos=True) for i in range(len(prompts))]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    outs = []
+    for eager, speculative in ((True, None), (True, spec), (False, spec)):
+        with LLM(path, max_model_len=512, max_num_seqs=64, enforce_eager=eager, gpu_memory_utilization=0.5,
+                 speculative_config=speculative) as llm:
+            runner, as_decode = llm.llm_engine.runner, []
+            form_of = runner._as_run
+            def as_run(step):
+                form = form_of(step)
+                as_decode.append(step.num_guesses is not None and not form.is_prefill)
+                return form
+            runner._as_run = as_run
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            assert any(as_decode) == (speculative is not None and not eager)  # verify steps replayed decode graphs
+    assert outs[0] == outs[1] == outs[2]

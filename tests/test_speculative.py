@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
+from minivllm.engine.step import StepInputs
 from minivllm.kv_cache import allocate_kv_cache, decode_metadata, prefill_metadata
 from minivllm.models import load_model
 from minivllm.speculative import accept_proposals, ngram_proposal
@@ -61,6 +62,28 @@ def test_a_verify_pass_scores_each_guess_as_decoding_them_one_by_one(tiny_model)
         one_by_one.append(tiny_model.compute_logits(hidden)[0])
     torch.testing.assert_close(one_pass, torch.stack(one_by_one), **F32)
     torch.testing.assert_close(cache, decoded_cache, **F32)
+
+
+def test_a_verify_step_as_a_decode_step_computes_what_it_does(tiny_model):
+    "Three sequences with 3, 0 and 1 guesses after their newest tokens, over cached prefixes in scattered blocks: the verify step as a decode step of a row a token (notebook 08c's `as_decode`, what a GPU replays in its decode graphs) gives each row's logits and the cache that the verify step gives."
+    c, g = tiny_model.config, torch.Generator().manual_seed(1)
+    cached, guesses = [9, 13, 4], [3, 0, 1]
+    tables = [[5, 1, 7, 3], [0, 8, 2, 9, 11], [4, 6]]  # each holds its prefix and its new tokens
+    cache = allocate_kv_cache(c.num_hidden_layers, 12, BLOCK_SIZE, c.num_kv_heads_per_rank, c.head_dim, c.dtype, "cpu")
+    prompts = [torch.randint(0, c.vocab_size, (n,), generator=g).tolist() for n in cached]
+    with torch.no_grad():
+        tiny_model(torch.tensor(sum(prompts, [])), torch.cat([torch.arange(n) for n in cached]), cache,
+                   prefill_metadata(tables, [0] * 3, cached, BLOCK_SIZE))
+    new = [torch.randint(0, c.vocab_size, (k + 1,), generator=g).tolist() for k in guesses]
+    verify = StepInputs.build(True, new, cached, tables, BLOCK_SIZE, num_guesses=guesses)
+    def run(step, cache):
+        with torch.no_grad():
+            hidden = tiny_model(torch.tensor(step.input_ids), torch.tensor(step.positions), cache, step.metadata())
+            return tiny_model.compute_logits(hidden[step.sample_rows])
+    as_decode, decoded_cache = verify.as_decode(), cache.clone()
+    assert not as_decode.is_prefill and len(as_decode.sample_rows) == sum(guesses) + 3
+    torch.testing.assert_close(run(as_decode, decoded_cache), run(verify, cache), **F32)
+    torch.testing.assert_close(decoded_cache, cache, **F32)
 
 
 def speculative_greedy(model, prompt: list[int], max_new_tokens: int, propose, k: int) -> tuple[list[int], list[int]]:
@@ -140,6 +163,27 @@ def test_greedy_tokens_with_ngram_speculation_equal_greedy_tokens_without(checkp
         assert generate(llm, prompts, params) == expected
         scheduler = llm.llm_engine.scheduler
         assert scheduler.num_guessed_tokens > 0 and 0 <= scheduler.num_kept_guesses <= scheduler.num_guessed_tokens
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_verify_steps_run_as_decode_steps_give_the_same_tokens(checkpoint, sampled):
+    "The runner's form of a verify step where a decode graph holds it (a decode step of a row a token), taken on the CPU for every verify step: greedy tokens, and seeded sampled ones (n = 2, top-k, top-p, min-p, penalties), equal those without guesses."
+    prompts = repeating_prompts()
+    params = (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) if not sampled else
+              [SamplingParams(n=2, temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, presence_penalty=0.3, seed=i,
+                              max_tokens=40, ignore_eos=True) for i in range(len(prompts))])
+    run = lambda llm: [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(checkpoint, max_model_len=128) as llm:
+        expected = run(llm)
+    with LLM(checkpoint, max_model_len=128, speculative_config=NGRAM) as llm:
+        runner, forms = llm.llm_engine.runner, []
+        def as_run(step):  # what the runner does where its graphs hold the step's rows
+            forms.append(step.as_decode() if step.num_guesses is not None else None)
+            return forms[-1] or step
+        runner._as_run = as_run
+        assert run(llm) == expected
+        assert sum(f is not None for f in forms) > 5  # verify steps ran as decode steps
+        assert llm.llm_engine.scheduler.num_kept_guesses > 0
 
 
 def test_only_the_guesses_that_pay_are_checked(checkpoint):

@@ -558,14 +558,24 @@ def speculative_equivalence(folder: Path, device: torch.device, new_tokens: int,
                for n in torch.randint(3, 60, (num_prompts,), generator=g).tolist()]
     reference = hf_greedy_on(path, prompts, new_tokens, torch.float32, device)
     spec = {"model": str(path), "num_speculative_tokens": 3, "adaptive": False}  # every guess checked
-    with LLM(path, dtype="float32", device=device.type, max_model_len=256, max_num_seqs=16, attention_backend=backend,
+    # subtle: 32 sequences a step, so a verify step of the 8 prompts' newest tokens and 3 guesses each (32 rows)
+    # fits the largest decode graph and replays it (notebook 08c's `as_decode`)
+    with LLM(path, dtype="float32", device=device.type, max_model_len=256, max_num_seqs=32, attention_backend=backend,
              speculative_config=spec) as llm:
+        engine, verify_forms = llm.llm_engine, []
+        form_of = engine.runner._as_run
+        def as_run(step):
+            form = form_of(step)
+            if step.num_guesses is not None:
+                verify_forms.append(form.is_prefill)
+            return form
+        engine.runner._as_run = as_run
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
                             use_tqdm=False)
-        engine = llm.llm_engine
         s, blocks = engine.scheduler, (engine.runner.num_blocks, engine.draft.engine.runner.num_blocks)
     return dict(equal=sum(o.token_ids == r for o, r in zip(outs, reference)), prompts=len(prompts),
-                guessed=s.num_guessed_tokens, kept=s.num_kept_guesses, target_blocks=blocks[0], draft_blocks=blocks[1])
+                guessed=s.num_guessed_tokens, kept=s.num_kept_guesses, target_blocks=blocks[0], draft_blocks=blocks[1],
+                verify_steps=len(verify_forms), verify_as_decode=verify_forms.count(False))
 
 
 def eager_settings(device: torch.device, eager_too: bool) -> tuple[bool, ...]:
@@ -798,8 +808,9 @@ def table(results: dict) -> str:
             f"{r['equal']}/{r['prompts']}", f"where they part, transformers' own logit gap: {gaps}" if gaps else "")
     if r := results.get("speculative"):
         add("greedy vs transformers: qwen3 float32, its own draft model", f"{r['equal']}/{r['prompts']}",
-            f"{r['kept']} of {r['guessed']} guesses kept; KV-cache blocks: target {r['target_blocks']}, draft "
-            f"{r['draft_blocks']}")
+            f"{r['kept']} of {r['guessed']} guesses kept; verify steps replaying decode graphs: "
+            f"{r.get('verify_as_decode', 0)} of {r.get('verify_steps', 0)}; KV-cache blocks: target "
+            f"{r['target_blocks']}, draft {r['draft_blocks']}")
     for r in results.get("workload", []):
         add(f"workload ({r['requests']} requests), {'graphs' if r['graphs'] else 'eager'}"
             f"{', scheduled ahead' if r.get('ahead') else ''}",

@@ -353,7 +353,7 @@ def launch(self: ModelRunner, step: StepInputs) -> PendingOutput | None:
     num_rows = len(step.num_new_tokens) + sum(step.num_guesses or ())
     if step.num_threads is not None and step.num_threads != torch.get_num_threads():
         torch.set_num_threads(step.num_threads)
-    prompt_logprobs = None
+    prompt_logprobs, step = None, self._as_run(step)
     if self._draws_in_graph(step):  # one rank, a decode a graph holds with its LM head and draw
         self.tables.update(step.table_updates)
         draws = self.graphs.draws_of(step, self.host_generator)
@@ -395,6 +395,14 @@ def _output(self: ModelRunner, tokens: torch.Tensor, logits: torch.Tensor | None
     # subtle: the logprobs computed now, from this step's logits, which a replayed graph of the next step overwrites
     values = tokens if num_logprobs is None else logprob_table(logits, tokens, num_logprobs)
     return PendingOutput(values, len(tokens), num_logprobs, prompt_logprobs)
+
+@patch
+def _as_run(self: ModelRunner, step: StepInputs) -> StepInputs:
+    "The form this rank runs `step` in: a verify step as a decode step of a row a token where a captured decode graph holds its rows (notebook 08c's `as_decode`), else the step itself."
+    # subtle: every rank decides alike (each has the same buckets and gets the same step), so their collectives meet
+    if step.num_guesses is None or self.graphs is None or not self.graphs.can_run(len(step.input_ids)):
+        return step
+    return step.as_decode() or step
 
 @patch
 def _draws_in_graph(self: ModelRunner, step: StepInputs) -> bool:

@@ -5,10 +5,11 @@
 # %% ../../nbs/08c_step.ipynb #e56fac01
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+from fastcore.basics import patch
 
 from ..kv_cache import DECODE_GROUP_SIZE, AttentionMetadata, BlockTables, host_tensor, slot_mappings, step_metadata
 from ..sampler import add_logit_bias, apply_penalties, mask_tokens, read_logprob_table
@@ -187,6 +188,18 @@ class StepOutput(NamedTuple):
     prompt_logprobs: list[dict[int, float]] | None = None
     logprob_ranks: list[int | None] | None = None  # per sequence that asked for logprobs: its sampled token's rank
     prompt_logprob_ranks: list[int] | None = None  # per prompt_logprob_row: its prompt token's rank
+
+# %% ../../nbs/08c_step.ipynb #26247b3d
+@patch
+def as_decode(self: StepInputs) -> StepInputs | None:
+    "This verify step as a decode step of a row a token (each row its sequence's table, up to its own position): the same tokens, slots and draws; None unless every new token of every sequence is sampled (its newest token and its guesses)."
+    if self.num_guesses is None or self.num_new_tokens != [g + 1 for g in self.num_guesses]:
+        return None
+    rows = [row for row, n in zip(self.rows, self.num_new_tokens) for _ in range(n)]
+    # subtle: the sampling settings are a row each already (`SamplingInputs.on_rows`), as a decode step's are a
+    # sequence each; every row of a decode samples, as every row of this verify step does
+    return replace(self, is_prefill=False, num_new_tokens=[1] * len(self.input_ids),
+                   context_lens=[p + 1 for p in self.positions], rows=rows, num_guesses=None)
 
 # %% ../../nbs/08c_step.ipynb #74fcb173
 def fill_pending(input_ids: torch.Tensor, pending: list[tuple[int, int]] | None, sampled: torch.Tensor | None) -> None:
