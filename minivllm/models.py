@@ -21,7 +21,7 @@ from .cpu import cpu_gemm_setting, layer_ops_for
 
 # %% auto #0
 __all__ = ['LAYER_KERNELS', 'DecoderAttention', 'DecoderMLP', 'DecoderLayer', 'DecoderModel', 'layer_ops', 'CausalLM',
-           'checkpoint_files', 'default_weight_loader', 'load_checkpoint', 'build_model', 'load_model']
+           'checkpoint_files', 'loads_tensor', 'default_weight_loader', 'load_checkpoint', 'build_model', 'load_model']
 
 # %% ../nbs/07_models.ipynb #65b4563f
 class DecoderAttention(nn.Module):
@@ -226,6 +226,10 @@ def _non_finite(file: Path, name: str, t: torch.Tensor) -> ValueError:
 # %% ../nbs/07_models.ipynb #70f5dd94
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
+def loads_tensor(name: str, config: Config) -> bool:
+    "Whether loading copies checkpoint tensor `name` into a parameter: not rotary's inverse frequencies (computed), not the LM head of a model whose head is its embedding."
+    return not name.endswith(_IGNORED_SUFFIXES) and not (name == "lm_head.weight" and config.tie_word_embeddings)
+
 def default_weight_loader(param: torch.nn.Parameter, loaded: torch.Tensor) -> None:
     "Copy a tensor that every rank holds whole (norm weights), checking its shape."
     if param.shape != loaded.shape:
@@ -268,10 +272,8 @@ def load_checkpoint(model: CausalLM, path: str | Path) -> None:
             raise _unreadable(file, e) from None
         with opened as f:
             for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
+                if not loads_tensor(name, model.config):  # (a tied head: the embedding already fills it)
                     continue
-                if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                    continue  # the embedding already fills the tied head
                 target, shard_id = _target(name, model.packed_modules_mapping)
                 if target not in params:
                     raise ValueError(f"{file.name}: tensor {name!r} does not belong to a {model.config.model_type} model "

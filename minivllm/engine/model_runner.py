@@ -30,7 +30,7 @@ from ..attention import cpu_decode_kernel
 from ..kv_cache import (BlockTables, allocate_kv_cache, blocks_for_budget, cpu_kv_cache_budget, cuda_kv_cache_budget,
                                host_tensor, kv_cache_bytes_per_block)
 from ..sampler import Sampler, logprob_table, tokens_and_logprobs
-from ..models import build_model, checkpoint_files, load_checkpoint
+from ..models import build_model, checkpoint_files, load_checkpoint, loads_tensor
 from ..model_source import model_folder
 from ..speculative import SpeculativeConfig
 
@@ -252,7 +252,7 @@ def draft_footprint(args: EngineArgs) -> tuple[int, int] | None:
     numel = 0
     for file in checkpoint_files(folder):
         with safe_open(file, framework="pt") as f:
-            numel += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+            numel += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys() if loads_tensor(name, c))
     per_token = kv_cache_bytes_per_block(c.num_hidden_layers, 1, c.num_kv_heads_per_rank, c.head_dim, c.dtype)
     return per_token, numel * c.dtype.itemsize
 
@@ -273,9 +273,10 @@ def _agree_on_blocks(self: ModelRunner, num_blocks: int) -> int:
     if num_blocks < needed:
         where = ("num_kvcache_blocks" if self.args.num_kvcache_blocks is not None else "gpu_memory_utilization"
                  if self.device.type == "cuda" else "kv_cache_memory or cpu_kv_cache_fraction")
+        draft = ", or use a smaller draft model" if self.device.type == "cuda" and draft_footprint(self.args) else ""
         raise ValueError(f"the KV cache has room for {num_blocks} blocks of {self.block_size} tokens, fewer than one "
                          f"sequence of max_model_len={self.max_model_len} tokens needs ({needed}): raise {where}, "
-                         "or lower max_model_len")
+                         f"or lower max_model_len{draft}")
     return num_blocks
 
 # %% ../../nbs/11_model_runner.ipynb #aaecc873
