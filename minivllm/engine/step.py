@@ -208,9 +208,12 @@ def fill_pending(input_ids: torch.Tensor, pending: list[tuple[int, int]] | None,
         return
     if sampled is None:
         raise RuntimeError("this step reads tokens of a step before it, but this runner has sampled none")
-    # subtle: flattened first: numpy reads a flat list in half the time it takes to find a nested one's shape
-    rows = host_tensor([row for pair in pending for row in pair], torch.int64, input_ids.device).view(-1, 2)
-    input_ids[rows[:, 0]] = sampled[rows[:, 1]].to(input_ids.dtype)
+    rows, sources = zip(*pending)
+    if rows == sources == tuple(range(len(rows))):  # the common step: the batch of the step before, in its order
+        input_ids[:len(rows)] = sampled[:len(rows)].to(input_ids.dtype)  # one copy, no index built on the host
+        return
+    device = input_ids.device
+    input_ids[host_tensor(rows, torch.int64, device)] = sampled[host_tensor(sources, torch.int64, device)].to(input_ids.dtype)
 
 class PendingOutput:
     "Rank 0's output of a launched step on its way to the host: its `num_tokens` tokens (or notebook 05a's `logprob_table` of them) copied without waiting, read when `result()` is asked."
