@@ -178,15 +178,16 @@ def test_graph_replay_draws_eager_seeded_tokens_on_cuda(tmp_path):
 
 @needs_cuda
 def test_verify_steps_replay_decode_graphs_on_cuda(tmp_path):
-    "Speculative decoding's verify steps (n-gram lookup, k = 3) replay the decode graphs as decode steps of a row a token: in float32, greedy and seeded sampled tokens equal eager verify steps' and decoding's without guesses."
+    "Speculative decoding's verify steps (n-gram lookup, k = 3) replay the decode graphs as decode steps of a row a token: in float32, greedy and seeded sampled tokens equal decoding's without guesses (eager verify steps equal it on the CPU)."
     path = make_tiny_checkpoint(tmp_path, "qwen3", dtype="float32")
-    prompts = [(p * 3)[:400] for p in seeded_prompts(Config.from_pretrained(path).vocab_size)]  # repeats: n-gram lookup guesses
+    prompts = [p * 3 for p in seeded_prompts(Config.from_pretrained(path).vocab_size)[:4]]  # repeats: n-gram lookup guesses
     params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True) if i % 2 else
               SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=32, ignore_eos=True) for i in range(len(prompts))]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+            "adaptive": False}  # every guess checked: verify steps whatever the steps cost
     outs = []
-    for eager, speculative in ((True, None), (True, spec), (False, spec)):
-        with LLM(path, max_model_len=512, max_num_seqs=64, enforce_eager=eager, gpu_memory_utilization=0.5,
+    for eager, speculative in ((True, None), (False, spec)):  # 4 sequences x 4 rows: the largest graph's 16 rows
+        with LLM(path, max_model_len=512, max_num_seqs=16, enforce_eager=eager, gpu_memory_utilization=0.5,
                  speculative_config=speculative) as llm:
             runner, as_decode = llm.llm_engine.runner, []
             form_of = runner._as_run
@@ -196,5 +197,5 @@ def test_verify_steps_replay_decode_graphs_on_cuda(tmp_path):
                 return form
             runner._as_run = as_run
             outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-            assert any(as_decode) == (speculative is not None and not eager)  # verify steps replayed decode graphs
-    assert outs[0] == outs[1] == outs[2]
+            assert any(as_decode) == (speculative is not None)  # verify steps replayed decode graphs
+    assert outs[0] == outs[1]
