@@ -58,7 +58,8 @@ __all__ = ['MAX_REQUEST_BYTES', 'MAX_N', 'MAX_LOGPROBS', 'MAX_COMPLETION_LOGPROB
            'sse', 'OpenAIReply', 'spec_decode_counters', 'EngineCollector', 'GapHistogram', 'ServerMetrics',
            'RequestTimer', 'generate_all', 'batch_window', 'Overloaded', 'ClientGone', 'EngineUnresponsive',
            'served_names', 'OpenAIServer', 'ChunkWriter', 'StreamingProtocol', 'EventWriter', 'until_disconnected',
-           'chat_messages', 'ApiKeyCheck', 'AnswerFailures', 'build_app', 'bind_socket', 'use_chat_template', 'serve']
+           'chat_messages', 'ApiKeyCheck', 'AnswerFailures', 'DirectRoutes', 'read_body', 'replayed', 'send_stream',
+           'build_app', 'bind_socket', 'use_chat_template', 'serve']
 
 # %% ../../nbs/13c_server.ipynb #ebfbba7b
 # subtle: strict, as OpenAI's API is: "yes" is not a boolean, true is not a token id, 2.5 is not a count
@@ -1196,11 +1197,71 @@ class AnswerFailures:
                 await error_response(500, f"the server failed on this request ({type(e).__name__}: {e}): please "
                                      "report it, with the request", "server_error")(scope, receive, send)
 
+# %% ../../nbs/13c_server.ipynb #918d311a
+class DirectRoutes:
+    "ASGI middleware: POSTs to `routes` taken straight to their handlers, past Starlette's routing, FastAPI's request handling and the streaming response's task group; the rest (and any body the route's model refuses) goes on to `app`."
+    def __init__(self, app, routes: dict[str, tuple[type[BaseModel], Callable]]):
+        self.app, self.routes = app, routes  # path -> (its body's model, its handler: (body, http) -> a Response)
+
+    async def __call__(self, scope, receive, send):
+        route = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        kind = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-type"), None)
+        if route is None or not is_json_content_type(kind):
+            return await self.app(scope, receive, send)
+        if (body := await read_body(receive)) is None:
+            return  # the client left before its body came (or the body limit refused it, and has answered)
+        model, handler = route
+        try:
+            parsed = model.model_validate_json(body)
+        except ValueError:  # pydantic's ValidationError: FastAPI reads the body again and says what is wrong
+            return await self.app(scope, replayed(body, receive), send)
+        http = HTTPRequest(scope, receive)
+        response = await handler(parsed, http)
+        if isinstance(response, StreamingResponse):
+            return await send_stream(response, http, send)
+        await response(scope, receive, send)
+
+async def read_body(receive) -> bytes | None:
+    "A request's whole body from ASGI `receive`; None if the client leaves first."
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+def replayed(body: bytes, receive):
+    "An ASGI `receive` that gives `body` (already read) first, then what `receive` gives."
+    given = False
+    async def receive_again():
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+    return receive_again
+
+async def send_stream(response: StreamingResponse, http: HTTPRequest, send) -> None:
+    "Send a streaming response as Starlette sends it; a client that leaves stops it (its iterator closed, so its request aborted)."
+    async def pump():
+        await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+        async with contextlib.aclosing(response.body_iterator):
+            async for chunk in response.body_iterator:
+                chunk = chunk if isinstance(chunk, bytes) else chunk.encode(response.charset)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    with contextlib.suppress(ClientGone):
+        await until_disconnected(http, pump())
+
 # %% ../../nbs/13c_server.ipynb #c25037ea
 def build_app(engine: AsyncLLM, model_name: str | Sequence[str], api_key: str | None = None, tokenizer=None,
               max_request_bytes: int = MAX_REQUEST_BYTES, max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST,
-              max_queued_tokens: int = MAX_QUEUED_TOKENS, health_timeout_s: float = HEALTH_TIMEOUT_S) -> FastAPI:
+              max_queued_tokens: int = MAX_QUEUED_TOKENS, health_timeout_s: float = HEALTH_TIMEOUT_S,
+              direct_routes: bool = True) -> FastAPI:
     "The OpenAI-compatible app over `engine`, serving it as `model_name` (or each of several names); with `api_key`, /v1 needs `Authorization: Bearer KEY`."
+    # direct_routes: the generating routes taken past FastAPI's request handling (DirectRoutes); False: FastAPI's way
     check_limit("max_request_bytes", max_request_bytes, "bytes")
     server = OpenAIServer(engine, model_name, tokenizer, max_prompts_per_request, max_queued_tokens)
 
@@ -1251,7 +1312,10 @@ def build_app(engine: AsyncLLM, model_name: str | Sequence[str], api_key: str | 
     async def prometheus():
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(AnswerFailures)  # subtle: added first, so innermost: it sees what a route raises
+    if direct_routes:  # subtle: added first, so innermost: the middlewares below see both ways alike
+        app.add_middleware(DirectRoutes, routes={"/v1/completions": (CompletionRequest, server.completions),
+                                                 "/v1/chat/completions": (ChatCompletionRequest, server.chat_completions)})
+    app.add_middleware(AnswerFailures)  # subtle: innermost of the rest: it sees what a route raises
     if api_key is not None:
         app.add_middleware(ApiKeyCheck, api_key=api_key)
     # subtle: added last, so outermost: a body past the limit is refused before any other middleware reads it
