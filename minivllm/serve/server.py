@@ -1205,8 +1205,10 @@ class DirectRoutes:
 
     async def __call__(self, scope, receive, send):
         route = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if route is None:  # subtle: other scopes (lifespan) have no path or headers
+            return await self.app(scope, receive, send)
         kind = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-type"), None)
-        if route is None or not is_json_content_type(kind):
+        if not is_json_content_type(kind):
             return await self.app(scope, receive, send)
         if (body := await read_body(receive)) is None:
             return  # the client left before its body came (or the body limit refused it, and has answered)
