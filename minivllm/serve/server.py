@@ -539,7 +539,7 @@ class LogprobFormat:
 
 # %% ../../nbs/13c_server.ipynb #8dceaf02
 def sse(payload: dict) -> bytes:
-    "One server-sent event carrying `payload` as JSON (msgspec's encoder: one of these per token per stream)."
+    "One server-sent event carrying `payload` as JSON (msgspec's encoder)."
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 class OpenAIReply:
@@ -552,22 +552,29 @@ class OpenAIReply:
                      "created": int(time.time()), "model": model_name}
         # subtle: every event of the stream begins with the same head: its JSON is encoded once, not once a token
         self.event_head = b"data: " + msgspec.json.encode(self.head)[:-1] + b',"choices":'
+        # the usual event, one running completion's new text (`chunk`): the choice's index and text put in this
+        self.text_event = self.event_head.replace(b"%", b"%%") + b'[{"index":%d,"logprobs":null,"finish_reason":null,' + (
+            b'"delta":%b}]}\n\n' if chat else b'"text":%b}]}\n\n')
         self.chars: dict[tuple, int] = {}  # per (prompt, completion): text given so far (completions' text offsets)
         self.tokens: dict[tuple, int] = {}  # per (prompt, completion): tokens given so far
         self.prompt_tokens: dict[int, int] = {}
         self.finish_reasons: list[str] = []
 
-    def _choice(self, i: int, c: CompletionOutput) -> dict:
-        "The choice of prompt i's completion c (or of its delta), counting what it adds."
+    def _count(self, i: int, c: CompletionOutput) -> None:
+        "Count what prompt i's completion c (or its delta) adds: its characters and tokens, its end."
         key = (i, c.index)
-        lp = None
-        if c.logprobs is not None:
-            lp = (self.logprobs.chat(c.token_ids, c.logprobs, self.k) if self.chat
-                  else self.logprobs.completion(c.token_ids, c.logprobs, self.chars.get(key, 0)))
         self.chars[key] = self.chars.get(key, 0) + len(c.text or "")
         self.tokens[key] = self.tokens.get(key, 0) + len(c.token_ids)
         if c.finish_reason:
             self.finish_reasons.append(c.finish_reason)
+
+    def _choice(self, i: int, c: CompletionOutput) -> dict:
+        "The choice of prompt i's completion c (or of its delta), counting what it adds."
+        lp = None
+        if c.logprobs is not None:
+            lp = (self.logprobs.chat(c.token_ids, c.logprobs, self.k) if self.chat
+                  else self.logprobs.completion(c.token_ids, c.logprobs, self.chars.get((i, c.index), 0)))
+        self._count(i, c)
         choice = {"index": i * self.n + c.index, "logprobs": lp, "finish_reason": c.finish_reason}
         if not self.chat:
             choice["text"] = c.text or ""
@@ -585,6 +592,11 @@ class OpenAIReply:
     def chunk(self, i: int, delta: RequestOutput) -> bytes:
         "The event of one delta: a choice for each completion with news (the prompt's logprobs with the first, as vLLM's)."
         self.prompt_tokens[i] = len(delta.prompt_token_ids)
+        c = delta.outputs[0]
+        if len(delta.outputs) == 1 and c.logprobs is None and c.finish_reason is None and delta.prompt_logprobs is None:
+            self._count(i, c)  # the usual event, a running completion's new text: its bytes without a dict or a list
+            return self.text_event % (i * self.n + c.index, msgspec.json.encode(
+                {"content": c.text} if c.text else {}) if self.chat else msgspec.json.encode(c.text or ""))
         choices, prompt = [], self._prompt_logprobs(delta)
         for c in delta.outputs:
             choice = self._choice(i, c)
