@@ -252,6 +252,12 @@ class CompletionText:
 
     def take(self, finished: bool) -> str:
         "The text that can be given out now (`ready`) and has not been yet, marked as given."
+        if not self.hold and self.given == self.begin:  # (the usual stream: no stop string, so all of `recent` is ready)
+            piece, self.recent = self.recent, ""
+            if piece:
+                self.settled.append(piece)
+                self.begin = self.given = self.length
+            return piece
         end = self.ready(finished)
         # subtle: a text not `streamed` settles what it has not given: taking from it reads the whole (slowly)
         piece = self.recent[self.given - self.begin:end - self.begin] if self.given >= self.begin else self.text[self.given:end]
