@@ -592,8 +592,8 @@ class OpenAIReply:
     def chunk(self, i: int, delta: RequestOutput) -> bytes:
         "The event of one delta: a choice for each completion with news (the prompt's logprobs with the first, as vLLM's)."
         self.prompt_tokens[i] = len(delta.prompt_token_ids)
-        c = delta.outputs[0]
-        if len(delta.outputs) == 1 and c.logprobs is None and c.finish_reason is None and delta.prompt_logprobs is None:
+        if len(delta.outputs) == 1 and (c := delta.outputs[0]).logprobs is None and c.finish_reason is None \
+                and delta.prompt_logprobs is None:
             self._count(i, c)  # the usual event, a running completion's new text: its bytes without a dict or a list
             return self.text_event % (i * self.n + c.index, msgspec.json.encode(
                 {"content": c.text} if c.text else {}) if self.chat else msgspec.json.encode(c.text or ""))
