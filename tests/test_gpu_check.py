@@ -113,6 +113,42 @@ def test_the_plans_fit_their_windows(gpu_check):
         assert dry.greedy_prompts == 13
 
 
+def test_only_keeps_the_steps_it_names_at_their_plans_sizes(gpu_check):
+    "--only: the named steps' budgets (and those every run takes), the checkpoint's where a step needs it, one call."
+    plan = lambda quick, only, dry=False: gpu_check.plan_for(quick, dry, frozenset(only))
+    alone = plan(True, {"transformers_slice"})
+    assert alone.transformers_slice == 64 and set(alone.budgets) == {"preflight", "imports", "environment", "model",
+                                                                       "transformers_slice"}
+    assert alone.budgets["model"] == 60 and sum(alone.budgets.values()) <= 600  # made alone: its whole 52 s
+    assert plan(True, {"tests", "workload"}).budgets["model"] == 5  # made beside the tests, as --quick makes it
+    assert plan(True, {"transformers_slice"}, dry=True).transformers_slice == 4
+    assert set(plan(False, {"decode"}).budgets) == {"preflight", "imports", "environment", "model", "decode", "profile"}
+    assert set(plan(True, {"greedy"}).budgets) == {"preflight", "imports", "environment", "greedy"}  # no checkpoint
+    assert plan(True, {"greedy"}).transformers_slice == 0 and plan(False, {"greedy"}).transformers_slice == 0
+    whole = gpu_check.plan_for(True, False)
+    assert plan(True, set(gpu_check.CHOSEN_STEPS) - {"transformers_slice"}) == whole  # --quick's steps: --quick
+    with pytest.raises(ValueError, match="no step decod; the steps are tests, greedy, speculative"):
+        plan(True, {"decod"})
+
+
+def test_only_runs_its_steps_dry_and_leaves_out_the_rest(tmp_path, gpu_check):
+    out = tmp_path / "check.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--dry-run", "--only", "greedy,transformers_slice",
+                          "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env=os.environ | {"MINIVLLM_CPU_GEMM": "torch"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["only"] == ["greedy", "transformers_slice"] and results["errors"] == {}
+    assert set(results["steps"]) == {"preflight", "imports", "environment", "model", "greedy", "transformers_slice"}
+    assert {"cuda_tests", "speculative", "workload", "decode", "profile", "compile_report"}.isdisjoint(results)
+    assert results["transformers_slice"]["requests"] == 4  # the full check's slice (dry), though --quick
+    checks = rows_of(run.stdout)
+    assert "transformers batched generate (4 requests)" in checks and "cuda tests" not in checks, checks
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", "greedy,nope"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--only: no step nope" in bad.stderr
+
+
 def test_a_failing_step_is_recorded_and_the_run_goes_on(gpu_check):
     lines = []
     clock = gpu_check.StepClock(dict(slow=0.0, broken=5.0), lines.append)

@@ -4,6 +4,7 @@
     python tools/gpu_check.py [--out PATH] [--num-prompts N] [--skip-tests] [--attention-backend NAME]  # the full one
     python tools/gpu_check.py --quick --dry-run     # the same steps on the CPU with tiny models (what CI runs)
     python tools/gpu_check.py --sweep [PATH]        # only: the attention's fastest tiles on this card, into a table
+    python tools/gpu_check.py --quick --only transformers_slice  # some steps alone: here the full check's one
 
 Prints one table (then the compile report's) and writes a JSON after every step, so a run cut short keeps what it
 measured. First, in about a second and before torch is imported, every module the check and its tests need is looked
@@ -38,6 +39,11 @@ How --quick fits 4 minutes (budgets in `plan_for`; seconds measured on an H200 w
     (1 s); preflight, imports, environment, the checkpoint and the compile report's wait 25 s (7-8 s when the tests
     run; the checkpoint alone takes 52 s, so with --skip-tests the model step waits for it).
 The full check takes about 7-11 minutes on an H100: more than one 600 s call of a lent machine allows.
+`--only STEP[,STEP...]` runs those steps alone (after the device's line and its copy bandwidth), at --quick's sizes
+or the full check's: a narrow rerun of what a run showed, or a step --quick leaves out in a call of its own.
+`--quick --only transformers_slice` is the full check's 64 requests beside transformers' batched generate, about
+3 minutes on an H200 (estimated, not yet measured: the checkpoint alone 52 s, and transformers took 95 s on that
+slice in the first run, at 382 tok/s).
 `--attention-backend sdpa` (or any backend of notebook 06a) runs every engine of the check on that backend: the
 table before and after a kernel.
 """
@@ -59,7 +65,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -106,8 +112,34 @@ class Plan:
     budgets: dict[str, float]  # step -> seconds
 
 
-def plan_for(quick: bool, dry_run: bool) -> Plan:
-    "The plan of a run: --quick or the full check, on a GPU or dry on the CPU."
+# the steps --only may choose (the decode step profiles its largest batch too), those every run takes, and those that
+# need the workload's checkpoint
+CHOSEN_STEPS = ("tests", "greedy", "speculative", "workload", "transformers_slice", "decode", "compile_report")
+ALWAYS_STEPS = ("preflight", "imports", "environment")
+MODEL_STEPS = frozenset({"workload", "transformers_slice", "decode"})
+STEP_PARTS = {"decode": ("decode", "profile")}  # a chosen step timed in parts
+
+
+def plan_for(quick: bool, dry_run: bool, only: frozenset[str] | None = None) -> Plan:
+    "The plan of a run: --quick or the full check, on a GPU or dry on the CPU; `only` (--only) keeps those steps alone."
+    plan = _whole_plan(quick, dry_run)
+    if only is None:
+        return plan
+    if unknown := only - set(CHOSEN_STEPS):
+        raise ValueError(f"--only: no step {', '.join(sorted(unknown))}; the steps are {', '.join(CHOSEN_STEPS)}")
+    slice_size = _whole_plan(False, dry_run).transformers_slice if "transformers_slice" in only else 0
+    timed = {part for step in only for part in STEP_PARTS.get(step, (step,))}
+    budgets = {k: v for k, v in plan.budgets.items() if k in ALWAYS_STEPS or k in timed}
+    if only & MODEL_STEPS:
+        # subtle: on a GPU machine the 0.6B checkpoint is made while the tests run; made alone, it takes its 52 s
+        budgets["model"] = plan.budgets["model"] if dry_run or "tests" in only else max(plan.budgets["model"], 60)
+    if slice_size:
+        budgets["transformers_slice"] = _whole_plan(False, dry_run).budgets["transformers_slice"]
+    return replace(plan, transformers_slice=slice_size, budgets=budgets)
+
+
+def _whole_plan(quick: bool, dry_run: bool) -> Plan:
+    "Every step's plan: --quick or the full check, on a GPU or dry on the CPU."
     if dry_run:  # every step at a size the CPU does in seconds; greedy as large as the full check's (float32 is exact)
         budgets = dict(preflight=1, imports=20, environment=5, tests=1, model=10, greedy=40, speculative=20, workload=20,
                        decode=20, profile=15, compile_report=90) | ({} if quick else dict(transformers_slice=30))
@@ -777,6 +809,29 @@ def write_tiles(best: dict[str, dict], path: Path) -> None:
     path.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
 
 
+def decode_and_profile(model: Path, device: torch.device, plan: Plan, bandwidth_gbs: float, backend: str | None,
+                       clock: StepClock, results: dict, save) -> None:
+    "The decode step (rates at each of the plan's batches, an eager engine's beside them on a GPU), then its largest batch's step under the profiler."
+    from minivllm import LLM
+    with ExitStack() as engine:
+        llm = None
+        with clock.step("decode", f"decode rates at batch {', '.join(map(str, plan.batches))}"):
+            # subtle: the eager engine first, and closed, so that the graphs' engine has the card to itself
+            eager = (eager_decode_rates(model, device, plan.batches, plan, bandwidth_gbs, backend)
+                     if device.type == "cuda" else [])
+            llm = engine.enter_context(LLM(model, dtype="bfloat16", device=device.type,
+                                           max_model_len=plan.context + plan.steps + 8,
+                                           max_num_seqs=max(plan.batches), attention_backend=backend))
+            warm_up(llm, max(plan.batches), 0.0)
+            results["decode"] = with_eager(decode_rates(llm, model, device, plan.batches, plan.context, plan.steps,
+                                                        bandwidth_gbs), eager)
+        save()
+        if llm is not None:
+            with clock.step("profile", f"one decode step at batch {max(plan.batches)} under torch.profiler"):
+                results["profile"] = profile_decode_step(llm, max(plan.batches), plan.context, device)
+            save()
+
+
 # ---------------------------------------------------------------------------------------------- the report
 
 def table(results: dict) -> str:
@@ -878,23 +933,30 @@ def main(argv: list[str] | None = None) -> int:
                          "PATH (default: %(const)s, which the kernel reads first)")
     ap.add_argument("--attention-backend", default=None, metavar="NAME",
                     help="run every engine on this attention backend (triton, sdpa, flash, ...; default: automatic)")
+    ap.add_argument("--only", type=lambda text: frozenset(text.split(",")), default=None, metavar="STEP[,STEP...]",
+                    help=f"run these steps alone, at the --quick or full check's sizes (one of {', '.join(CHOSEN_STEPS)}; "
+                         "transformers_slice at the full check's 64 requests, also with --quick)")
     a = ap.parse_args(argv)
     if a.num_prompts < 1:
         ap.error(f"--num-prompts must be at least 1, got {a.num_prompts}")
+    try:
+        plan = plan_for(a.quick, a.dry_run, a.only)
+    except ValueError as e:
+        ap.error(str(e))
+    wanted = lambda step: a.only is None or step in a.only
     if problem := out_path_problem(a.out):
         print(problem, file=sys.stderr)
         return 2
-    pre = preflight(run_tests=not (a.skip_tests or a.dry_run))
+    pre = preflight(run_tests=not (a.skip_tests or a.dry_run) and wanted("tests"))
     if pre["missing"]:
         print(pre["line"], file=sys.stderr)  # subtle: the one line a run that cannot start prints
         return 2
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
-    plan = plan_for(a.quick, a.dry_run)
     clock = StepClock(plan.budgets, log)
     clock.add("preflight", pre["seconds"])
     with clock.step("imports", "importing torch, transformers and minivllm"):
         import torch
-        from minivllm import LLM  # the engine's import cost counted here, not in the first step that uses it
+        from minivllm import LLM  # noqa: F401 (the engine's import cost counted here, not in the first step that uses it)
         from minivllm.bench.workload import Workload
         from minivllm.checkpoints import SHAPES, make_tiny_checkpoint
     if "imports" in clock.errors:
@@ -911,7 +973,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"gpu_check: {len(best)} choices written to {a.sweep}")
         return 0
     results = dict(mode="quick" if a.quick else "full", dry_run=a.dry_run, preflight=pre,
-                   attention_backend=a.attention_backend)
+                   attention_backend=a.attention_backend) | ({} if a.only is None else dict(only=sorted(a.only)))
     save = lambda: write_json(a.out, results | clock.record())
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
@@ -926,8 +988,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                  plan.compile_report_timeout_s))
         # subtle: on a GPU machine it compiles in the background from the tests on (its cores are idle while the GPU
         # works); on the dry run's small CPU it would share the cores with the steps beside it, so it runs alone, last
-        report = None if a.dry_run else start_report()
-        if a.dry_run:  # the workload's shape, scaled down: a tiny Qwen3 with a vocabulary that holds its ids
+        report = None if a.dry_run or not wanted("compile_report") else start_report()
+        if not (a.only is None or a.only & MODEL_STEPS):
+            checkpoint = None  # no step asks for the workload's model
+        elif a.dry_run:  # the workload's shape, scaled down: a tiny Qwen3 with a vocabulary that holds its ids
             checkpoint = background.submit(make_tiny_checkpoint, tmp / "shape", "qwen3", vocab_size=10_240,
                                            dtype="bfloat16")
             workload = Workload.nano_vllm(num_prompts=min(a.num_prompts, 6), max_input_len=110, max_output_len=104)
@@ -935,61 +999,54 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint = background.submit(make_tiny_checkpoint, tmp / "qwen3-0.6b", initializer_range=0.02,
                                            dtype="bfloat16", **SHAPES["qwen3-0.6b"])
             workload = Workload.nano_vllm(num_prompts=a.num_prompts)
-        with clock.step("tests", f"the GPU test files ({', '.join(GPU_TEST_FILES)})"):
-            if a.dry_run or a.skip_tests:
-                results["cuda_tests"] = dict(files=list(GPU_TEST_FILES),  # and their budget on a GPU
-                                             budget_s=plan_for(a.quick, dry_run=False).budgets["tests"],
-                                             skipped_because="dry run: no GPU" if a.dry_run else "--skip-tests")
-            else:
-                results["cuda_tests"] = run_tests(GPU_TEST_FILES, plan.budgets["tests"], pytest_workers(os.cpu_count()))
-        save()
-        model = None
-        with clock.step("model", "the workload's checkpoint (made in the background)"):
-            # subtle: made in a thread while the tests run; awaited before any other step draws from torch's global
-            # generator (make_tiny_checkpoint seeds it), so every checkpoint's weights stay those of its seed
-            model = checkpoint.result()
-        with clock.step("greedy", "greedy tokens against transformers"):
-            results["greedy_equivalence"] = greedy_equivalence(tmp, device, plan.greedy_tokens, a.attention_backend,
-                                                               plan.greedy_prompts, plan.greedy_eager)
-        save()
-        with clock.step("speculative", "a draft model beside the target: greedy tokens against transformers"):
-            results["speculative"] = speculative_equivalence(tmp, device, plan.greedy_tokens, a.attention_backend)
-        save()
-        if model is not None:  # else the model step's error says why the rest is missing
-            with clock.step("workload", f"nano-vllm's workload, {len(workload.prompts)} requests"):
-                ceiling = workload_ceiling(model, workload, env["copy_bandwidth_gbs"])
-                results["workload"] = [r | dict(ceiling_tokens_per_s=round(ceiling, 1),
-                                                fraction=round(r["tokens_per_s"] / ceiling, 3))
-                                       for eager in eager_settings(device, plan.workload_eager)
-                                       for r in [run_workload(model, workload, device, eager, plan.max_model_len,
-                                                              a.attention_backend)]]
+        if wanted("tests"):
+            with clock.step("tests", f"the GPU test files ({', '.join(GPU_TEST_FILES)})"):
+                if a.dry_run or a.skip_tests:
+                    results["cuda_tests"] = dict(files=list(GPU_TEST_FILES),  # and their budget on a GPU
+                                                 budget_s=plan_for(a.quick, dry_run=False).budgets["tests"],
+                                                 skipped_because="dry run: no GPU" if a.dry_run else "--skip-tests")
+                else:
+                    results["cuda_tests"] = run_tests(GPU_TEST_FILES, plan.budgets["tests"],
+                                                      pytest_workers(os.cpu_count()))
             save()
+        model = None
+        if checkpoint is not None:
+            with clock.step("model", "the workload's checkpoint (made in the background)"):
+                # subtle: made in a thread while the tests run; awaited before any other step draws from torch's
+                # global generator (make_tiny_checkpoint seeds it), so every checkpoint's weights stay those of its seed
+                model = checkpoint.result()
+        if wanted("greedy"):
+            with clock.step("greedy", "greedy tokens against transformers"):
+                results["greedy_equivalence"] = greedy_equivalence(tmp, device, plan.greedy_tokens, a.attention_backend,
+                                                                   plan.greedy_prompts, plan.greedy_eager)
+            save()
+        if wanted("speculative"):
+            with clock.step("speculative", "a draft model beside the target: greedy tokens against transformers"):
+                results["speculative"] = speculative_equivalence(tmp, device, plan.greedy_tokens, a.attention_backend)
+            save()
+        if model is not None:  # else the model step's error (or --only) says why the rest is missing
+            if wanted("workload"):
+                with clock.step("workload", f"nano-vllm's workload, {len(workload.prompts)} requests"):
+                    ceiling = workload_ceiling(model, workload, env["copy_bandwidth_gbs"])
+                    results["workload"] = [r | dict(ceiling_tokens_per_s=round(ceiling, 1),
+                                                    fraction=round(r["tokens_per_s"] / ceiling, 3))
+                                           for eager in eager_settings(device, plan.workload_eager)
+                                           for r in [run_workload(model, workload, device, eager, plan.max_model_len,
+                                                                  a.attention_backend)]]
+                save()
             if plan.transformers_slice:
                 with clock.step("transformers_slice", f"transformers on {plan.transformers_slice} requests"):
                     results["transformers_slice"] = transformers_slice(model, workload, plan.transformers_slice,
                                                                        device, plan.max_model_len, a.attention_backend)
                 save()
-            with ExitStack() as engine:
-                llm = None
-                with clock.step("decode", f"decode rates at batch {', '.join(map(str, plan.batches))}"):
-                    # subtle: the eager engine first, and closed, so that the graphs' engine has the card to itself
-                    eager = (eager_decode_rates(model, device, plan.batches, plan, env["copy_bandwidth_gbs"],
-                                                a.attention_backend) if device.type == "cuda" else [])
-                    llm = engine.enter_context(LLM(model, dtype="bfloat16", device=device.type,
-                                                   max_model_len=plan.context + plan.steps + 8,
-                                                   max_num_seqs=max(plan.batches), attention_backend=a.attention_backend))
-                    warm_up(llm, max(plan.batches), 0.0)
-                    results["decode"] = with_eager(decode_rates(llm, model, device, plan.batches, plan.context,
-                                                                plan.steps, env["copy_bandwidth_gbs"]), eager)
-                save()
-                if llm is not None:
-                    with clock.step("profile", f"one decode step at batch {max(plan.batches)} under torch.profiler"):
-                        results["profile"] = profile_decode_step(llm, max(plan.batches), plan.context, device)
-                    save()
-        with clock.step("compile_report", "the compile report, running since the tests began" if report
-                        else "the compile report"):
-            results["compile_report"] = (report or start_report()).result()
-            log(f"gpu_check: {results['compile_report']['line']}")
+            if wanted("decode"):
+                decode_and_profile(model, device, plan, env["copy_bandwidth_gbs"], a.attention_backend, clock, results,
+                                   save)
+        if wanted("compile_report"):
+            with clock.step("compile_report", "the compile report, running since the tests began" if report
+                            else "the compile report"):
+                results["compile_report"] = (report or start_report()).result()
+                log(f"gpu_check: {results['compile_report']['line']}")
     save()
     print(table(results | clock.record()))
     if results.get("compile_report", {}).get("table"):
