@@ -147,6 +147,9 @@ def test_only_runs_its_steps_dry_and_leaves_out_the_rest(tmp_path, gpu_check):
     bad = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", "greedy,nope"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "--only: no step nope" in bad.stderr
+    both = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--sweep", "--only", "greedy"],
+                          capture_output=True, text=True, timeout=60)
+    assert both.returncode == 2 and "--sweep runs alone: leave out --only" in both.stderr
 
 
 def test_a_failing_step_is_recorded_and_the_run_goes_on(gpu_check):

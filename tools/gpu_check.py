@@ -4,7 +4,7 @@
     python tools/gpu_check.py [--out PATH] [--num-prompts N] [--skip-tests] [--attention-backend NAME]  # the full one
     python tools/gpu_check.py --quick --dry-run     # the same steps on the CPU with tiny models (what CI runs)
     python tools/gpu_check.py --sweep [PATH]        # only: the attention's fastest tiles on this card, into a table
-    python tools/gpu_check.py --quick --only transformers_slice  # some steps alone: here the full check's one
+    python tools/gpu_check.py --quick --only transformers_slice  # named steps alone (here: beside transformers)
 
 Prints one table (then the compile report's) and writes a JSON after every step, so a run cut short keeps what it
 measured. First, in about a second and before torch is imported, every module the check and its tests need is looked
@@ -939,6 +939,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.num_prompts < 1:
         ap.error(f"--num-prompts must be at least 1, got {a.num_prompts}")
+    if a.sweep is not None and a.only is not None:
+        ap.error("--sweep runs alone: leave out --only")
     try:
         plan = plan_for(a.quick, a.dry_run, a.only)
     except ValueError as e:
