@@ -129,6 +129,8 @@ def test_only_keeps_the_steps_it_names_at_their_plans_sizes(gpu_check):
     assert plan(True, set(gpu_check.CHOSEN_STEPS) - {"transformers_slice"}) == whole  # --quick's steps: --quick
     with pytest.raises(ValueError, match="no step decod; the steps are tests, greedy, speculative"):
         plan(True, {"decod"})
+    with pytest.raises(ValueError, match="--only: no step named; the steps are tests"):
+        plan(True, set())
 
 
 def test_only_runs_its_steps_dry_and_leaves_out_the_rest(tmp_path, gpu_check):
@@ -150,6 +152,9 @@ def test_only_runs_its_steps_dry_and_leaves_out_the_rest(tmp_path, gpu_check):
     both = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--sweep", "--only", "greedy"],
                           capture_output=True, text=True, timeout=60)
     assert both.returncode == 2 and "--sweep runs alone: leave out --only" in both.stderr
+    empty = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", ","], capture_output=True, text=True,
+                           timeout=60)
+    assert empty.returncode == 2 and "--only: no step named" in empty.stderr
 
 
 def test_a_failing_step_is_recorded_and_the_run_goes_on(gpu_check):

@@ -125,16 +125,19 @@ def plan_for(quick: bool, dry_run: bool, only: frozenset[str] | None = None) -> 
     plan = _whole_plan(quick, dry_run)
     if only is None:
         return plan
-    if unknown := only - set(CHOSEN_STEPS):
-        raise ValueError(f"--only: no step {', '.join(sorted(unknown))}; the steps are {', '.join(CHOSEN_STEPS)}")
-    slice_size = _whole_plan(False, dry_run).transformers_slice if "transformers_slice" in only else 0
+    unknown = only - set(CHOSEN_STEPS)
+    if unknown or not only:
+        named = f"no step {', '.join(sorted(unknown))}" if unknown else "no step named"
+        raise ValueError(f"--only: {named}; the steps are {', '.join(CHOSEN_STEPS)}")
+    full = _whole_plan(False, dry_run)  # (the transformers slice is the full check's, also with --quick)
+    slice_size = full.transformers_slice if "transformers_slice" in only else 0
     timed = {part for step in only for part in STEP_PARTS.get(step, (step,))}
     budgets = {k: v for k, v in plan.budgets.items() if k in ALWAYS_STEPS or k in timed}
     if only & MODEL_STEPS:
         # subtle: on a GPU machine the 0.6B checkpoint is made while the tests run; made alone, it takes its 52 s
         budgets["model"] = plan.budgets["model"] if dry_run or "tests" in only else max(plan.budgets["model"], 60)
     if slice_size:
-        budgets["transformers_slice"] = _whole_plan(False, dry_run).budgets["transformers_slice"]
+        budgets["transformers_slice"] = full.budgets["transformers_slice"]
     return replace(plan, transformers_slice=slice_size, budgets=budgets)
 
 
@@ -933,7 +936,7 @@ def main(argv: list[str] | None = None) -> int:
                          "PATH (default: %(const)s, which the kernel reads first)")
     ap.add_argument("--attention-backend", default=None, metavar="NAME",
                     help="run every engine on this attention backend (triton, sdpa, flash, ...; default: automatic)")
-    ap.add_argument("--only", type=lambda text: frozenset(text.split(",")), default=None, metavar="STEP[,STEP...]",
+    ap.add_argument("--only", type=lambda text: frozenset(filter(None, text.split(","))), default=None, metavar="STEP[,STEP...]",
                     help=f"run these steps alone, at the --quick or full check's sizes (one of {', '.join(CHOSEN_STEPS)}; "
                          "transformers_slice at the full check's 64 requests, also with --quick)")
     a = ap.parse_args(argv)
